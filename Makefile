@@ -1,0 +1,27 @@
+# Two entry points: `make demo` (set up, then the default post-training demo) and
+# `make test` (set up, then lint, type-check and the whole test suite).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test lint typecheck bench gpu-smoke
+
+setup:
+	@scripts/setup.sh
+
+demo: setup
+	$(VENV)/bin/moerl demo
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks scripts
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+test: lint typecheck
+	$(VENV)/bin/pytest -q tests
+
+bench: setup
+	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+gpu-smoke:
+	scripts/gpu_smoke.sh

@@ -1,0 +1,61 @@
+"""The run's configuration: Hydra composes YAML, this module makes it typed.
+
+`load_config(overrides)` is the only place a DictConfig exists; it is turned into
+dataclasses at once (unknown keys and wrong types fail here, naming the field),
+and only typed sub-configs travel inward.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from moerl.models.arch import MoEArch
+from moerl.typed_config import ConfigError, from_dict
+
+_REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def config_dir() -> Path:
+    """configs/ of this checkout, or $MOERL_CONFIG_DIR."""
+    path = Path(os.environ.get("MOERL_CONFIG_DIR", _REPO_CONFIGS))
+    if not (path / "config.yaml").is_file():
+        raise ConfigError(
+            f"config directory {path} has no config.yaml; set MOERL_CONFIG_DIR to the "
+            "project's configs/ folder"
+        )
+    return path
+
+
+def compose(overrides: list[str], config_name: str = "config") -> dict[str, Any]:
+    """Hydra composition of configs/<config_name>.yaml with command-line overrides."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"{bad[0]!r}: overrides look like key=value (e.g. parallel.tp=2)")
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            cfg = hydra_compose(config_name=config_name, overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as err:
+        # Hydra's message names the key and, for a group, lists the available options.
+        message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        raise ConfigError(message) from err
+    data = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(data, dict)
+    return {str(k): v for k, v in data.items()}
+
+
+def load_model_config(overrides: list[str]) -> tuple[MoEArch, int]:
+    """The model architecture and the sequence length for counting."""
+    data = compose(overrides)
+    arch = from_dict(MoEArch, data.get("model"), "model")
+    seq_length = data.get("seq_length", 4096)
+    if not isinstance(seq_length, int) or seq_length < 1:
+        raise ConfigError(f"seq_length: expected a positive integer, got {seq_length!r}")
+    return arch, seq_length

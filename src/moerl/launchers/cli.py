@@ -1,0 +1,120 @@
+"""`moerl` command line: one sub-command per program, Hydra overrides after it.
+
+    moerl demo                               the default post-training demo (tiny MoE, CPU)
+    moerl model-info model=kimi-k2 [--json]  parameters and training FLOPs per token
+    moerl plan model=kimi-k2 cluster.nodes=128 [--json]
+    moerl train-lm parallel.tp=2 ...         a language-model training run (torchrun-aware)
+    moerl serve reward --port 8100           the reward server
+
+Sub-commands import their module only when run, so `moerl --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from moerl.models.arch import ArchError
+from moerl.parallel.layout import LayoutError
+from moerl.typed_config import ConfigError
+
+
+def _si(value: float) -> str:
+    """1234567 -> '1.23 M'."""
+    for scale, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:,.2f} {unit}"
+    return f"{value:,.0f} "
+
+
+def _model_info(args: argparse.Namespace, overrides: list[str]) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from moerl.config import load_model_config
+    from moerl.models.count import model_counts
+
+    arch, seq_length = load_model_config(overrides)
+    counts = model_counts(arch, seq_length=seq_length)
+    if args.json:
+        print(json.dumps({"model": arch.name, "seq_length": seq_length, **counts.as_dict()}))
+        return 0
+    table = Table(title=f"{arch.name} (sequence length {seq_length})")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_row("total parameters", _si(counts.total_params))
+    table.add_row("active parameters per token", _si(counts.active_params))
+    table.add_row("MTP parameters (not in total)", _si(counts.mtp_params))
+    table.add_row("training FLOPs per token", _si(counts.train_flops_per_token) + "FLOP")
+    Console().print(table)
+    return 0
+
+
+def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from moerl.parallel.plan import plan_main
+
+    return plan_main(overrides, as_json=args.json)
+
+
+def _train_lm(args: argparse.Namespace, overrides: list[str]) -> int:
+    from moerl.launchers.lm import run_lm
+
+    return run_lm(overrides)
+
+
+def _demo(args: argparse.Namespace, overrides: list[str]) -> int:
+    from moerl.launchers.demo import run_demo
+
+    return run_demo(overrides)
+
+
+def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.service == "reward":
+        from moerl.rl.rewards.server import main as serve_reward
+
+        return serve_reward(overrides)
+    from moerl.rl.rollout.server import main as serve_rollout
+
+    return serve_rollout(overrides)
+
+
+Handler = Callable[[argparse.Namespace, list[str]], int]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moerl",
+        description="RL post-training of Mixture-of-Experts models on Megatron-Core.",
+        epilog="Arguments after the sub-command are Hydra overrides, e.g. parallel.tp=2.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="the default post-training demo on the tiny MoE")
+    demo.set_defaults(handler=_demo)
+    info = sub.add_parser("model-info", help="parameter counts and training FLOPs")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.set_defaults(handler=_model_info)
+    plan = sub.add_parser("plan", help="choose a parallel layout for a model on a cluster")
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.set_defaults(handler=_plan)
+    lm = sub.add_parser("train-lm", help="language-model training on the synthetic corpus")
+    lm.set_defaults(handler=_train_lm)
+    serve = sub.add_parser("serve", help="run a rollout or reward server")
+    serve.add_argument("service", choices=["reward", "rollout"])
+    serve.set_defaults(handler=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = _parser().parse_known_args(argv)
+    handler: Handler = args.handler
+    try:
+        return handler(args, overrides)
+    except (ConfigError, ArchError, LayoutError) as err:
+        print(f"moerl {args.command}: configuration error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

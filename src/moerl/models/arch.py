@@ -1,0 +1,223 @@
+"""MoE architectures: one typed description and the presets the project ships.
+
+`MoEArch` describes a DeepSeek-V3-family decoder (multi-latent attention, a few
+leading dense layers, then MoE layers with routed + shared experts and a sigmoid
+router with expert bias) or a GQA MoE. It says nothing about parallelism: that is
+`parallel.layout.ParallelLayout`, combined with an arch only in `models.build`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+AttentionKind = Literal["mla", "gqa"]
+RouterScore = Literal["sigmoid", "softmax"]
+
+
+class ArchError(ValueError):
+    """An architecture whose fields contradict each other."""
+
+
+@dataclass(frozen=True)
+class MoEArch:
+    """A Mixture-of-Experts decoder-only transformer."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    max_position_embeddings: int = 4096
+
+    # Attention. MLA (DeepSeek-V2/V3, Kimi-K2) or grouped-query attention.
+    attention: AttentionKind = "mla"
+    q_lora_rank: int | None = 1536  # None: queries projected directly from the hidden state
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128  # the "nope" part of each query/key head
+    qk_pos_emb_head_dim: int = 64  # the rotary part, shared by all heads of a token
+    v_head_dim: int = 128
+    num_query_groups: int | None = None  # GQA only
+    kv_channels: int | None = None  # GQA only; defaults to hidden_size / heads
+    rotary_base: float = 10000.0
+
+    # Feed-forward. Layers [0, first_k_dense) are dense SwiGLU, the rest MoE.
+    ffn_hidden_size: int = 18432  # dense layers
+    first_k_dense: int = 3
+    num_experts: int = 256
+    moe_ffn_hidden_size: int = 2048  # each routed expert
+    moe_router_topk: int = 8
+    num_shared_experts: int = 1  # shared FFN width = num_shared_experts * moe_ffn_hidden_size
+
+    # Router (DeepSeek-V3 style: sigmoid scores, bias-based load balancing,
+    # node/group-limited routing, scaled top-k weights).
+    router_score: RouterScore = "sigmoid"
+    router_num_groups: int | None = 8
+    router_group_topk: int | None = 4
+    router_topk_scaling_factor: float = 2.5
+    router_expert_bias: bool = True
+    aux_loss_coeff: float = 1e-4
+
+    # Multi-token prediction layers (DeepSeek-V3 has one).
+    mtp_num_layers: int = 0
+
+    norm_epsilon: float = 1e-6
+    untie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense
+
+    @property
+    def shared_expert_ffn_hidden_size(self) -> int:
+        return self.num_shared_experts * self.moe_ffn_hidden_size
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Whether 0-based decoder layer `layer_index` has an MoE feed-forward."""
+        return layer_index >= self.first_k_dense
+
+    def moe_layer_pattern(self) -> list[int]:
+        """Megatron's `moe_layer_freq` list: 1 for an MoE layer, 0 for a dense one."""
+        return [int(self.is_moe_layer(i)) for i in range(self.num_layers)]
+
+    def validate(self) -> None:
+        def need(cond: bool, field: str, fix: str) -> None:
+            if not cond:
+                raise ArchError(f"model.{field}: {fix}")
+
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+            need(getattr(self, name) > 0, name, "must be a positive integer")
+        need(0 <= self.first_k_dense <= self.num_layers, "first_k_dense",
+             f"must be between 0 and num_layers ({self.num_layers})")
+        need(self.num_experts >= 1, "num_experts", "must be at least 1")
+        need(1 <= self.moe_router_topk <= self.num_experts, "moe_router_topk",
+             f"must be between 1 and num_experts ({self.num_experts})")
+        if self.router_num_groups is not None:
+            groups = self.router_num_groups
+            need(self.num_experts % groups == 0, "router_num_groups",
+                 f"num_experts ({self.num_experts}) must be divisible by it ({groups})")
+            group_topk = self.router_group_topk or groups
+            need(1 <= group_topk <= groups, "router_group_topk",
+                 f"must be between 1 and router_num_groups ({groups})")
+            need(group_topk * (self.num_experts // groups) >= self.moe_router_topk,
+                 "router_group_topk",
+                 "the selected groups must hold at least moe_router_topk experts")
+        if self.attention == "gqa":
+            groups = self.num_query_groups or self.num_attention_heads
+            need(self.num_attention_heads % groups == 0, "num_query_groups",
+                 "num_attention_heads must be divisible by num_query_groups")
+            if self.kv_channels is None:
+                need(self.hidden_size % self.num_attention_heads == 0, "kv_channels",
+                     "set it, or make hidden_size divisible by num_attention_heads")
+        need(self.mtp_num_layers >= 0, "mtp_num_layers", "must be >= 0")
+
+    def replace(self, **changes: object) -> MoEArch:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+# Tiny: every code path of the big presets (MLA with q-LoRA, a dense first layer,
+# shared expert, sigmoid group-limited routing with expert bias, MTP) at a few
+# million parameters, so it trains on CPU in seconds. Four layers divide by
+# pipeline x virtual stages = 2 x 2; four experts divide by EP 2 and 4.
+TINY = MoEArch(
+    name="tiny",
+    num_layers=4,
+    hidden_size=128,
+    num_attention_heads=4,
+    vocab_size=512,  # 256 bytes + special tokens, padded for tp up to 8
+    max_position_embeddings=1024,
+    q_lora_rank=64,
+    kv_lora_rank=64,
+    qk_head_dim=32,
+    qk_pos_emb_head_dim=16,
+    v_head_dim=32,
+    ffn_hidden_size=512,
+    first_k_dense=1,
+    num_experts=4,
+    moe_ffn_hidden_size=256,
+    moe_router_topk=2,
+    num_shared_experts=1,
+    router_num_groups=2,
+    router_group_topk=2,
+    router_topk_scaling_factor=1.0,
+    mtp_num_layers=1,
+)
+
+# Moonlight-16B-A3B (Moonshot AI): DeepSeek-V3 architecture, no q-LoRA.
+MOONLIGHT_16B_A3B = MoEArch(
+    name="moonlight-16b-a3b",
+    num_layers=27,
+    hidden_size=2048,
+    num_attention_heads=16,
+    vocab_size=163840,
+    max_position_embeddings=8192,
+    q_lora_rank=None,
+    ffn_hidden_size=11264,
+    first_k_dense=1,
+    num_experts=64,
+    moe_ffn_hidden_size=1408,
+    moe_router_topk=6,
+    num_shared_experts=2,
+    router_num_groups=1,
+    router_group_topk=1,
+    router_topk_scaling_factor=2.446,
+    rotary_base=50000.0,
+)
+
+DEEPSEEK_V3 = MoEArch(
+    name="deepseek-v3",
+    num_layers=61,
+    hidden_size=7168,
+    num_attention_heads=128,
+    vocab_size=129280,
+    max_position_embeddings=163840,
+    q_lora_rank=1536,
+    ffn_hidden_size=18432,
+    first_k_dense=3,
+    num_experts=256,
+    moe_ffn_hidden_size=2048,
+    moe_router_topk=8,
+    num_shared_experts=1,
+    router_num_groups=8,
+    router_group_topk=4,
+    router_topk_scaling_factor=2.5,
+    mtp_num_layers=1,
+)
+
+KIMI_K2 = MoEArch(
+    name="kimi-k2",
+    num_layers=61,
+    hidden_size=7168,
+    num_attention_heads=64,
+    vocab_size=163840,
+    max_position_embeddings=131072,
+    q_lora_rank=1536,
+    ffn_hidden_size=18432,
+    first_k_dense=1,
+    num_experts=384,
+    moe_ffn_hidden_size=2048,
+    moe_router_topk=8,
+    num_shared_experts=1,
+    router_num_groups=1,
+    router_group_topk=1,
+    router_topk_scaling_factor=2.827,
+    rotary_base=50000.0,
+    mtp_num_layers=0,
+)
+
+PRESETS: dict[str, MoEArch] = {
+    arch.name: arch for arch in (TINY, MOONLIGHT_16B_A3B, DEEPSEEK_V3, KIMI_K2)
+}
+
+
+def get_preset(name: str) -> MoEArch:
+    """The preset called `name`, or an error listing the ones that exist."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        known = ", ".join(sorted(PRESETS))
+        raise ArchError(f"model: unknown preset {name!r}; choose one of: {known}") from None
