@@ -1,0 +1,102 @@
+"""GPU smoke test: a small MoE on the Transformer Engine spec, bf16 and FP8.
+
+Builds the `tiny` architecture scaled up to GPU-sized matrices with the TE spec
+on one GPU, runs timed forward/backward steps in bf16 and in each FP8 recipe the
+installed Transformer Engine supports, and prints step time and model FLOPs
+utilisation (MFU, from moerl.models.count). `--check` only imports everything
+(this is what runs on machines without a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+
+import torch
+
+from moerl.models.arch import TINY, MoEArch
+from moerl.models.build import FP8_RECIPES, build_model, te_available
+from moerl.models.count import train_flops_per_token
+from moerl.parallel.groups import destroy_parallel, init_parallel
+from moerl.parallel.layout import ParallelLayout
+
+# Dense bf16 peak of one H100/H200 SXM (TFLOP/s); FP8 doubles it.
+PEAK_BF16_TFLOPS = 989.0
+
+SMOKE_ARCH: MoEArch = TINY.replace(
+    name="smoke",
+    hidden_size=2048,
+    num_attention_heads=16,
+    q_lora_rank=512,
+    kv_lora_rank=256,
+    qk_head_dim=128,
+    qk_pos_emb_head_dim=64,
+    v_head_dim=128,
+    ffn_hidden_size=8192,
+    num_experts=8,
+    moe_ffn_hidden_size=1024,
+    vocab_size=32768,
+    max_position_embeddings=4096,
+)
+
+
+def time_steps(fp8: str | None, steps: int, seq: int, batch: int) -> float:
+    """Median seconds per forward+backward step."""
+    layout = ParallelLayout()
+    init_parallel(layout, seed=0)
+    try:
+        (model,) = build_model(SMOKE_ARCH, layout, te=True, fp8=fp8, backend="nccl")
+        tokens = torch.randint(0, SMOKE_ARCH.vocab_size, (batch, seq), device="cuda")
+        position_ids = torch.arange(seq, device="cuda").expand(batch, seq)
+        times = []
+        for _ in range(steps + 2):  # two warm-up steps
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            loss = model(tokens, position_ids, None, labels=tokens).float().mean()
+            loss.backward()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return sorted(times[2:])[len(times[2:]) // 2]
+    finally:
+        destroy_parallel()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--check", action="store_true", help="import-check only")
+    args = parser.parse_args()
+    if args.check:
+        print("gpu_smoke: imports ok")
+        return 0
+    if not torch.cuda.is_available():
+        print("gpu_smoke: no GPU here; nothing run (use --check to import-check)")
+        return 1
+    if not te_available():
+        print("gpu_smoke: Transformer Engine is not importable; the TE spec and FP8 cannot run")
+        return 1
+    flops = train_flops_per_token(SMOKE_ARCH, args.seq) * args.seq * args.batch
+    failures = []
+    for mode in (None, *FP8_RECIPES):
+        name = mode or "bf16"
+        peak = PEAK_BF16_TFLOPS * (2 if mode else 1)
+        try:
+            seconds = time_steps(mode, args.steps, args.seq, args.batch)
+        except Exception as err:  # report every mode, then fail at the end
+            failures.append(name)
+            print(f"{name:>10}: could not run: {type(err).__name__}: {err}")
+            traceback.print_exc(limit=3)
+            continue
+        mfu = flops / seconds / (peak * 1e12)
+        print(f"{name:>10}: {seconds * 1e3:8.1f} ms/step  MFU {mfu:6.1%} (of {peak:.0f} TFLOP/s)")
+    if failures:
+        print(f"gpu_smoke: not run: {', '.join(failures)}")
+    return 1 if len(failures) == 1 + len(FP8_RECIPES) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

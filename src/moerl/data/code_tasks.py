@@ -1,0 +1,75 @@
+"""A generated code-writing task family for the tiny model's demo and tests.
+
+Each task is a HumanEval-style problem: a prompt (signature + docstring), a
+reference body, and a `check(candidate)` function of unit tests that the reward
+server runs in the sandbox. The functions are one-line arithmetic on the
+argument ("Return n times 3."), small enough that a few-million-parameter model
+trained from scratch can learn them on a CPU in minutes, and graded only by
+execution.
+
+SFT data is deliberately imperfect: a demonstration is correct with probability
+`correct_fraction` and otherwise a plausible wrong program (wrong operator or
+constant), the way real demonstration sets are noisy. RL on the execution reward
+then has something to fix.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+_OPS = {"plus": "+", "minus": "-", "times": "*"}
+_ARGS = ("n", "x", "a", "v", "k")
+_NAMES = ("f", "g", "h", "calc", "step", "apply", "compute", "value")
+
+
+@dataclass(frozen=True)
+class CodeTask:
+    uid: str
+    prompt: str  # signature and docstring; the completion is the body
+    reference: str  # a correct body
+    tests: str  # `def check(candidate): ...` with the expected values inside
+    entry_point: str
+
+    def program(self, completion: str) -> str:
+        return self.prompt + completion
+
+
+def _expected(op: str, arg: int, const: int) -> int:
+    return {"+": arg + const, "-": arg - const, "*": arg * const}[op]
+
+
+def make_task(rng: random.Random, uid: str) -> CodeTask:
+    word, op = rng.choice(sorted(_OPS.items()))
+    const = rng.randrange(10)
+    arg = rng.choice(_ARGS)
+    name = rng.choice(_NAMES)
+    prompt = f'def {name}({arg}):\n    """Return {arg} {word} {const}."""\n'
+    reference = f"    return {arg} {op} {const}\n"
+    inputs = rng.sample(range(-20, 21), 4)
+    asserts = "".join(
+        f"    assert candidate({i}) == {_expected(op, i, const)}\n" for i in inputs
+    )
+    return CodeTask(uid, prompt, reference, f"def check(candidate):\n{asserts}", name)
+
+
+def make_tasks(count: int, seed: int, prefix: str = "task") -> list[CodeTask]:
+    """`count` tasks drawn from `seed`; different seeds give independent sets."""
+    rng = random.Random(seed)
+    return [make_task(rng, f"{prefix}-{seed}-{i}") for i in range(count)]
+
+
+def noisy_demonstration(task: CodeTask, rng: random.Random, correct_fraction: float) -> str:
+    """The reference body with probability `correct_fraction`, else a wrong one."""
+    if rng.random() < correct_fraction:
+        return task.reference
+    # "    return n + 3\n" -> another operator or constant that computes a different
+    # function (n + 0, n - 0 and n * 1 are all the identity).
+    head, op, const = task.reference.rstrip("\n").rsplit(" ", 2)
+    wrong = [
+        (o, c) for o in _OPS.values() for c in range(10)
+        if any(_expected(o, i, c) != _expected(op, i, int(const)) for i in (-3, 7))
+    ]
+    same_op = [w for w in wrong if w[0] == op]
+    new_op, new_const = rng.choice(same_op if same_op and rng.random() < 0.5 else wrong)
+    return f"{head} {new_op} {new_const}\n"
