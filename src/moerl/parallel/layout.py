@@ -37,6 +37,10 @@ class ParallelLayout:
     # wrong loss there without any error), on otherwise.
     batch_p2p_comm: bool | None = None
     use_distributed_optimizer: bool = True
+    # Decoder layers in each pipeline chunk, in model order (pp * vpp entries; chunk j
+    # runs on pipeline rank j % pp). None: an even split. Needed for layer counts that
+    # pp * vpp does not divide (61-layer DeepSeek-V3 / Kimi-K2 over 16 stages).
+    stage_layers: list[int] | None = None
 
     @property
     def world_size(self) -> int:
@@ -58,10 +62,19 @@ class ParallelLayout:
             return self.batch_p2p_comm
         return not (backend == "gloo" and self.vpp is not None)
 
+    def layers_per_chunk(self, num_layers: int) -> list[int]:
+        """Decoder layers of each pipeline chunk (pp * vpp of them), in model order."""
+        if self.stage_layers is not None:
+            return list(self.stage_layers)
+        chunks = self.pp * self.virtual_stages
+        return [num_layers // chunks] * chunks
+
     def describe(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}"]
         if self.vpp:
             parts.append(f"vpp{self.vpp}")
+        if self.stage_layers is not None:
+            parts.append("uneven")
         parts += [f"ep{self.ep}", f"etp{self.etp}", f"cp{self.cp}", f"dp{self.dp}"]
         return "-".join(parts)
 
@@ -135,14 +148,35 @@ def _check_experts(layout: ParallelLayout, arch: MoEArch) -> None:
         )
 
 
+def uneven_split(num_layers: int, chunks: int) -> list[int]:
+    """floor(L/S) layers per chunk; the L mod S extra ones go to middle chunks first,
+    so the first chunk (embedding, most in-flight micro-batches) and the last (output
+    head, loss, MTP) stay light."""
+    base, extra = divmod(num_layers, chunks)
+    order = [*range(chunks - 2, 0, -1), 0, chunks - 1] if chunks > 1 else [0]
+    sizes = [base] * chunks
+    for j in order[:extra]:
+        sizes[j] += 1
+    return sizes
+
+
 def _check_pipeline(layout: ParallelLayout, arch: MoEArch, backend: str) -> None:
     stages = layout.pp * layout.virtual_stages
     if layout.vpp is not None and layout.pp < 2:
         raise LayoutError("parallel.vpp: virtual stages need pp >= 2; set parallel.vpp=null")
-    if arch.num_layers % stages:
+    if layout.stage_layers is not None:
+        split = layout.stage_layers
+        if len(split) != stages or min(split) < 1 or sum(split) != arch.num_layers:
+            raise LayoutError(
+                f"parallel.stage_layers: needs pp*vpp = {stages} entries, each >= 1, summing "
+                f"to {arch.num_layers} layers; got {split}"
+            )
+    elif arch.num_layers % stages:
+        suggestion = uneven_split(arch.num_layers, stages) if stages <= arch.num_layers else None
+        fix = f" or set parallel.stage_layers={suggestion}" if suggestion else ""
         raise LayoutError(
             f"parallel.pp: {arch.num_layers} layers cannot be split evenly over pp*vpp = "
-            f"{stages} stages; choose pp (and vpp) whose product divides {arch.num_layers}"
+            f"{stages} stages; choose pp (and vpp) whose product divides {arch.num_layers}{fix}"
         )
     if layout.vpp is not None and backend == "gloo" and layout.batch_p2p_comm:
         raise LayoutError(
