@@ -1,0 +1,254 @@
+"""Run a plan's stages as processes on this machine.
+
+Servers start first (rewards, then rollouts), each replica in its own process
+group so that teardown reaches whatever it forked; the launcher waits until every
+replica has announced itself in the rendezvous directory and answers its health
+path, then runs the trainer in the foreground while watching the servers. Whatever
+happens (success, a crash, Ctrl-C, SIGTERM) every process group gets SIGTERM, then
+SIGKILL after a grace period. Each process writes to `<log_dir>/<stage>.<i>.log`;
+with `echo` its lines are also printed with a `[stage.i]` prefix.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO
+
+from moerl.launchers.stages import (
+    ENV_HOST,
+    ENV_INDEX,
+    ENV_PORT,
+    ENV_RENDEZVOUS,
+    ENV_STAGE,
+    RunPlan,
+    StageSpec,
+    discover,
+    wait_healthy,
+)
+
+LOG_TAIL_LINES = 30
+
+
+class StageFailed(RuntimeError):
+    """A stage process ended when it should not have; the message names it."""
+
+    def __init__(self, label: str, returncode: int | None, log_path: Path, reason: str) -> None:
+        self.label = label
+        self.returncode = returncode
+        self.log_path = log_path
+        tail = log_tail(log_path)
+        super().__init__(
+            f"stage {label} {reason}"
+            + (f" (exit code {returncode})" if returncode is not None else "")
+            + f"; last lines of {log_path}:\n{tail}"
+        )
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_bytes()[-64 * 1024 :].decode(errors="replace")
+    except OSError as err:
+        return f"<no log: {err}>"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    # The port may be taken again before the server binds it; the health wait then
+    # fails with the server's own error in its log, which is the honest outcome.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class _Proc:
+    label: str
+    stage: StageSpec
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    pump: threading.Thread | None = None
+
+    @property
+    def pgid(self) -> int:
+        return self.popen.pid  # start_new_session makes the child its group's leader
+
+
+def _pump(src: IO[bytes], log_path: Path, prefix: str | None) -> None:
+    """Copy a child's output to its log file (and the console) line by line."""
+    with open(log_path, "ab") as log:
+        for line in iter(src.readline, b""):
+            log.write(line)
+            log.flush()
+            if prefix is not None:
+                sys.stdout.write(prefix + line.decode(errors="replace"))
+                sys.stdout.flush()
+    src.close()
+
+
+class Terminated(Exception):
+    """SIGTERM to the launcher, turned into an exception so teardown runs."""
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise Terminated(f"launcher got signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@dataclass
+class LocalLauncher:
+    """Start `plan` on this machine; `run()` returns the trainer's exit code."""
+
+    plan: RunPlan
+    host: str = "127.0.0.1"
+    startup_timeout: float = 120.0
+    grace: float = 10.0
+    echo: bool = False
+    procs: list[_Proc] = field(default_factory=list, init=False)
+    endpoints: dict[str, list[str]] = field(default_factory=dict, init=False)
+
+    def run(self) -> int:
+        """Servers up and healthy, trainer to completion, then everything down.
+
+        Raises StageFailed when a server dies or never becomes healthy, with the
+        tail of its log; KeyboardInterrupt passes through after teardown.
+        """
+        self.plan.log_dir.mkdir(parents=True, exist_ok=True)
+        # Announcements left by an earlier run would point at dead servers.
+        shutil.rmtree(self.plan.rendezvous_dir, ignore_errors=True)
+        self.plan.rendezvous_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            with _sigterm_raises():
+                for stage in self.plan.servers:
+                    self._start_servers(stage)
+                for stage in self.plan.servers:
+                    self._wait_ready(stage)
+                trainer = self._start(self.plan.trainer, 0, 0)
+                return self._supervise(trainer)
+        finally:
+            self.teardown()
+
+    def _start_servers(self, stage: StageSpec) -> None:
+        for index in range(stage.replicas):
+            port = stage.port_base + index if stage.port_base else free_port(self.host)
+            self._start(stage, index, port)
+
+    def _command(self, stage: StageSpec, index: int, port: int) -> list[str]:
+        argv = stage.argv(self.host, port, index)
+        if stage.name != "trainer" or not stage.torchrun:
+            return argv
+        # One node: torchrun's standalone rendezvous on a free local port.
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+            f"--nproc-per-node={stage.ranks_per_node}", "--no-python", *argv,
+        ]  # fmt: skip
+
+    def _start(self, stage: StageSpec, index: int, port: int) -> _Proc:
+        label = f"{stage.name}.{index}"
+        env = {**os.environ, **stage.env}
+        env.update({
+            ENV_RENDEZVOUS: str(self.plan.rendezvous_dir), ENV_STAGE: stage.name,
+            ENV_INDEX: str(index), ENV_HOST: self.host, ENV_PORT: str(port),
+        })  # fmt: skip
+        log_path = self.plan.log_dir / f"{label}.log"
+        log_path.write_bytes(b"")
+        popen = subprocess.Popen(
+            self._command(stage, index, port),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        assert popen.stdout is not None
+        prefix = f"[{label}] " if self.echo else None
+        pump = threading.Thread(target=_pump, args=(popen.stdout, log_path, prefix), daemon=True)
+        pump.start()
+        proc = _Proc(label, stage, popen, log_path, pump)
+        self.procs.append(proc)
+        return proc
+
+    def _check_servers(self) -> None:
+        for proc in self.procs:
+            if proc.stage.is_server and proc.popen.poll() is not None:
+                if proc.pump is not None:  # the last lines, for the error message
+                    proc.pump.join(timeout=1.0)
+                raise StageFailed(proc.label, proc.popen.returncode, proc.log_path, "exited")
+
+    def _wait_ready(self, stage: StageSpec) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        try:
+            found = discover(
+                self.plan.rendezvous_dir, stage.name, stage.replicas,
+                self.startup_timeout, check=self._check_servers,
+            )  # fmt: skip
+            for endpoint in found:
+                left = max(deadline - time.monotonic(), 1.0)
+                wait_healthy(endpoint, left, path=stage.health_path, check=self._check_servers)
+        except TimeoutError as err:
+            proc = next(p for p in self.procs if p.stage is stage)
+            raise StageFailed(stage.name, None, proc.log_path, f"not ready: {err}") from err
+        self.endpoints[stage.name] = found
+
+    def _supervise(self, trainer: _Proc) -> int:
+        # A server dying mid-run would leave the trainer retrying forever; stop early.
+        while (code := trainer.popen.poll()) is None:
+            self._check_servers()
+            time.sleep(0.2)
+        if trainer.pump is not None:
+            trainer.pump.join(timeout=5.0)
+        return code
+
+    def teardown(self) -> None:
+        """SIGTERM every process group, SIGKILL what is left after `grace` seconds."""
+        for proc in reversed(self.procs):  # trainer first: it is the servers' client
+            _signal_group(proc.pgid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline and any(_group_alive(p) for p in self.procs):
+            time.sleep(0.05)
+        for proc in self.procs:
+            if _group_alive(proc):
+                _signal_group(proc.pgid, signal.SIGKILL)
+        for proc in self.procs:
+            proc.popen.wait()
+            if proc.pump is not None:
+                proc.pump.join(timeout=2.0)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(proc: _Proc) -> bool:
+    # Reap the leader first: a zombie still counts as a member of its group.
+    proc.popen.poll()
+    try:
+        os.killpg(proc.pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

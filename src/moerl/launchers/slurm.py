@@ -1,0 +1,345 @@
+"""A RunPlan as one heterogeneous SLURM job.
+
+Het group 0 is the trainer, then rollout, then reward (whichever the plan has).
+Each stage is one `srun --het-group=N --overlap` job step: servers in the
+background, each replica announcing itself in the rendezvous directory; the batch
+shell waits for those announcements, then runs the trainer (torchrun per node, the
+first node of group 0 as master) and watches both. On exit, error or cancel the
+EXIT trap stops every step.
+
+Pre-time-limit checkpointing: `--signal=B:USR1@<s>` sends USR1 to the batch shell
+only; its trap forwards it to the trainer step, whose ranks checkpoint and exit
+with REQUEUE_EXIT_CODE; the shell then runs `scontrol requeue`. A signal sent to a
+step reaches only its tasks (measured on SLURM 22.05), here torchrun, not the
+ranks below it: torchrun is told to forward USR1 (--signals-to-handle) and to give
+the ranks until the time limit to finish their checkpoint before it kills them.
+Memory is asked for with --mem-per-cpu only: mixing it with --mem across
+components makes srun fail.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from moerl.launchers.stages import (
+    ENV_HOST,
+    ENV_INDEX,
+    ENV_PORT,
+    ENV_STAGE,
+    REQUEUE_EXIT_CODE,
+    RunPlan,
+    StageSpec,
+)
+
+DEFAULT_PORTS = {"rollout": 8000, "reward": 8100}
+_GROUP_ORDER = ("trainer", "rollout", "reward")
+_TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+_MEM = re.compile(r"^\d+[KMGT]?$")
+_PLACEHOLDER_VARS = {"{host}": ENV_HOST, "{port}": ENV_PORT, "{index}": ENV_INDEX}
+
+
+class SlurmError(RuntimeError):
+    """sbatch refused a script or failed; the message is sbatch's own."""
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    """Cluster-side options; what each stage needs comes from its StageSpec."""
+
+    partitions: Mapping[str, str] = field(default_factory=dict)
+    """stage name -> partition; a stage not named uses the cluster's default."""
+    account: str | None = None
+    time: str = "04:00:00"
+    mem_per_cpu: str | None = None
+    """e.g. "4G", applied to every component (the only memory option used)."""
+    signal_seconds: int = 600
+    """USR1 to the batch shell this long before the time limit; 0 sends none."""
+    requeue: bool = True
+    job_name: str = "moerl"
+    master_port: int = 29500
+    master_addr: str | None = None
+    """None: the first node of the trainer group, by name."""
+    advertise_host: str | None = None
+    """address servers announce; None: each node's `hostname`."""
+    torchrun: tuple[str, ...] = ("torchrun",)
+    setup: tuple[str, ...] = ()
+    """shell lines run before any step (module load, venv activation)."""
+    startup_timeout: int = 1800
+    grace: int = 30
+
+    def __post_init__(self) -> None:
+        if self.mem_per_cpu is not None and not _MEM.match(self.mem_per_cpu):
+            raise ValueError(f"mem_per_cpu={self.mem_per_cpu!r}: expected e.g. 4000, 4G")
+        unknown = set(self.partitions) - set(_GROUP_ORDER)
+        if unknown:
+            raise ValueError(f"partitions: unknown stage(s) {sorted(unknown)}")
+        if self.signal_seconds < 0 or self.grace < 0 or self.startup_timeout < 1:
+            raise ValueError("signal_seconds, grace must be >= 0 and startup_timeout >= 1")
+
+
+@dataclass(frozen=True)
+class Submission:
+    job_id: int
+    exit_code: int | None
+    """the job's exit code when submitted with wait=True."""
+
+
+def _het_groups(plan: RunPlan) -> list[StageSpec]:
+    return sorted(plan.stages, key=lambda s: _GROUP_ORDER.index(s.name))
+
+
+def _resources(stage: StageSpec) -> list[str]:
+    """Options a component asks for and its step repeats (srun does not inherit them)."""
+    tasks = "--ntasks-per-node=1" if stage.name == "trainer" else f"--ntasks={stage.replicas}"
+    gpus = [f"--gpus-per-node={stage.gpus_per_node}"] if stage.gpus_per_node else []
+    # one trainer task per node: torchrun starts the ranks
+    return [f"--nodes={stage.nodes}", tasks, f"--cpus-per-task={stage.cpus}", *gpus]
+
+
+def _component(stage: StageSpec, cfg: SlurmConfig) -> list[str]:
+    part = [f"--partition={cfg.partitions[stage.name]}"] if stage.name in cfg.partitions else []
+    mem = [f"--mem-per-cpu={cfg.mem_per_cpu}"] if cfg.mem_per_cpu else []
+    return [*part, *_resources(stage), *mem]
+
+
+def _header(plan: RunPlan, cfg: SlurmConfig) -> list[str]:
+    job = [f"--job-name={cfg.job_name}", f"--time={cfg.time}"]
+    if cfg.account:
+        job.append(f"--account={cfg.account}")
+    # Append: a requeued run keeps the earlier attempt's output above its own.
+    job += [f"--output={plan.log_dir}/slurm-%j.out", "--open-mode=append"]
+    if cfg.requeue:
+        job.append("--requeue")
+    if cfg.signal_seconds:
+        job.append(f"--signal=B:USR1@{cfg.signal_seconds}")
+    lines: list[str] = []
+    for i, stage in enumerate(_het_groups(plan)):
+        if i:
+            lines.append("#SBATCH hetjob")
+        lines.append(f"# het group {i}: {stage.name}")
+        lines += [f"#SBATCH {opt}" for opt in (job if i == 0 else []) + _component(stage, cfg)]
+    return lines
+
+
+def _shell_arg(arg: str) -> str:
+    """Quote one argv word, leaving {host}/{port}/{index} as variable references."""
+    parts = re.split(r"(\{host\}|\{port\}|\{index\})", arg)
+    out = "".join(
+        f'"${{{_PLACEHOLDER_VARS[p]}}}"' if p in _PLACEHOLDER_VARS else shlex.quote(p)
+        for p in parts
+        if p
+    )
+    return out or "''"
+
+
+def _stage_env(stage: StageSpec) -> str:
+    return "".join(f"export {k}={shlex.quote(v)}; " for k, v in stage.env.items())
+
+
+def _srun(stage: StageSpec, group: int | None, inner: str) -> str:
+    opts = [] if group is None else [f"--het-group={group}"]
+    opts += ["--overlap", *_resources(stage), "--kill-on-bad-exit=1"]
+    opts.append(f'--output="$LOG_DIR/{stage.name}-%j-%t.log"')
+    return f"srun {' '.join(opts)} \\\n    bash -c {shlex.quote(inner)} &"
+
+
+def _server_step(stage: StageSpec, group: int | None, cfg: SlurmConfig) -> str:
+    base = stage.port_base or DEFAULT_PORTS[stage.name]
+    # Ports count over all replicas, not per node: fake nodes on one host (and
+    # several replicas on one node) must not collide.
+    inner = (
+        f"export {ENV_STAGE}={stage.name} {ENV_INDEX}=$SLURM_PROCID "
+        f"{ENV_PORT}=$(({base} + SLURM_PROCID)); "
+        f'export {ENV_HOST}="${{MOERL_ADVERTISE_HOST:-$(hostname)}}"; '
+        + _stage_env(stage)
+        + 'trap "" USR1; exec '
+        + " ".join(_shell_arg(a) for a in stage.command)
+    )
+    return _srun(stage, group, inner) + f"\nmoerl_started {stage.name} $!"
+
+
+def _trainer_step(stage: StageSpec, group: int | None, cfg: SlurmConfig) -> str:
+    command = " ".join(_shell_arg(a) for a in stage.command)
+    if stage.torchrun:
+        launcher = " ".join(shlex.quote(a) for a in cfg.torchrun)
+        command = (
+            f"{launcher} --nnodes={stage.nodes} --node-rank=$SLURM_NODEID "
+            f"--nproc-per-node={stage.ranks_per_node} --master-addr=$MASTER_ADDR "
+            f"--master-port=$MASTER_PORT --signals-to-handle={_TORCHRUN_SIGNALS} "
+            f"--shutdown-timeout={max(cfg.signal_seconds, 30)} --no-python {command}"
+        )
+    inner = (
+        f"export {ENV_STAGE}=trainer {ENV_INDEX}=$SLURM_NODEID {ENV_PORT}=0 "
+        f'{ENV_HOST}="$(hostname)"; ' + _stage_env(stage) + f"exec {command}"
+    )
+    nodelist = "${SLURM_JOB_NODELIST_HET_GROUP_0:-$SLURM_JOB_NODELIST}"
+    return "\n".join([
+        f'MASTER_NODE=$(scontrol show hostnames "{nodelist}" | head -n 1)',
+        'export MASTER_ADDR="${MOERL_MASTER_ADDR:-$MASTER_NODE}"',
+        f"export MASTER_PORT={cfg.master_port}",
+        'echo "moerl: trainer master $MASTER_NODE ($MASTER_ADDR:$MASTER_PORT)" >&2',
+        _srun(stage, group, inner),
+        "TRAINER_PID=$!",
+    ])  # fmt: skip
+
+
+_PREAMBLE = """
+# Rendered by moerl.launchers.slurm.render_sbatch. Each stage is one job step of
+# this heterogeneous job: servers in the background, each replica writing
+# host:port to $MOERL_RENDEZVOUS_DIR/<stage>/<i>.addr once healthy; the trainer
+# (torchrun per node, master = first node of group 0) runs once all have
+# announced. USR1 before the time limit: the trainer checkpoints and exits with
+# REQUEUE_EXIT_CODE, then the job requeues itself. The EXIT trap stops all steps.
+"""
+
+_FUNCTIONS = r"""
+SERVER_PIDS=() SERVER_NAMES=() TRAINER_PID="" PREEMPTED=0
+
+moerl_started() { SERVER_NAMES+=("$1"); SERVER_PIDS+=("$2"); }
+
+moerl_check_servers() {  # fails, naming the stage, once any server step has ended
+  local i rc
+  for i in "${!SERVER_PIDS[@]}"; do
+    if ! kill -0 "${SERVER_PIDS[$i]}" 2>/dev/null; then
+      wait "${SERVER_PIDS[$i]}"; rc=$?
+      echo "moerl: stage ${SERVER_NAMES[$i]} ended early (exit code $rc); logs in $LOG_DIR" >&2
+      return 1
+    fi
+  done
+}
+
+moerl_wait_announced() {  # STAGE EXPECTED
+  local deadline=$((SECONDS + STARTUP_TIMEOUT)) n
+  while :; do
+    n=$(find "$MOERL_RENDEZVOUS_DIR/$1" -maxdepth 1 -name '[0-9]*.addr' 2>/dev/null | wc -l)
+    [ "$n" -ge "$2" ] && return 0
+    moerl_check_servers || return 1
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      echo "moerl: stage $1: $n of $2 endpoints after ${STARTUP_TIMEOUT} s" >&2
+      return 1
+    fi
+    sleep 1 & wait $!  # a bare `sleep` would hold back the traps until it ends
+  done
+}
+
+moerl_cleanup() {  # TERM every step still running, KILL after GRACE seconds
+  local pids=(${TRAINER_PID:+"$TRAINER_PID"} "${SERVER_PIDS[@]}") p t alive
+  TRAINER_PID="" SERVER_PIDS=() SERVER_NAMES=()
+  [ "${#pids[@]}" -eq 0 ] && return 0
+  kill -TERM "${pids[@]}" 2>/dev/null
+  for ((t = 0; t < GRACE; t++)); do
+    alive=0
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ "$alive" -eq 0 ] && break
+    sleep 1
+  done
+  kill -KILL "${pids[@]}" 2>/dev/null
+  wait 2>/dev/null
+  return 0
+}
+
+moerl_preempt() {
+  PREEMPTED=1
+  echo "moerl: USR1 (time limit near): trainer checkpoints, then the job requeues" >&2
+  [ -n "$TRAINER_PID" ] && kill -USR1 "$TRAINER_PID" 2>/dev/null
+  return 0
+}
+
+trap moerl_cleanup EXIT
+trap 'exit 143' TERM INT
+trap moerl_preempt USR1
+"""
+
+_FINISH = r"""
+while kill -0 "$TRAINER_PID" 2>/dev/null; do
+  moerl_check_servers || exit 1
+  sleep 1 & wait $!
+done
+wait "$TRAINER_PID"; rc=$?
+TRAINER_PID=""
+echo "moerl: trainer exit code $rc" >&2
+# torchrun reports a rank's exit code as 1, hence the marker and PREEMPTED.
+if [ -e "$MOERL_RENDEZVOUS_DIR/requeue" ] || { [ "$PREEMPTED" -eq 1 ] && [ "$rc" -ne 0 ]; }; then
+  rc=$REQUEUE_EXIT_CODE
+fi
+if [ "$REQUEUE" -eq 1 ] && [ "$rc" -eq "$REQUEUE_EXIT_CODE" ]; then
+  moerl_cleanup
+  echo "moerl: requeueing job $SLURM_JOB_ID" >&2
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$rc"
+"""
+
+
+def render_sbatch(plan: RunPlan, cfg: SlurmConfig) -> str:
+    """The sbatch script for `plan` (a heterogeneous job when it has servers)."""
+    groups = _het_groups(plan)
+    het = len(groups) > 1
+    lines = ["#!/bin/bash", *_header(plan, cfg), "", _PREAMBLE.strip(), "set -uo pipefail"]
+    lines += [
+        f"export MOERL_RENDEZVOUS_DIR={shlex.quote(str(plan.rendezvous_dir))}/$SLURM_JOB_ID",
+        f"LOG_DIR={shlex.quote(str(plan.log_dir))}",
+        f"GRACE={cfg.grace} STARTUP_TIMEOUT={cfg.startup_timeout}",
+        f"REQUEUE={int(cfg.requeue)} REQUEUE_EXIT_CODE={REQUEUE_EXIT_CODE}",
+    ]
+    if cfg.advertise_host:
+        lines.append(f"export MOERL_ADVERTISE_HOST={shlex.quote(cfg.advertise_host)}")
+    if cfg.master_addr:
+        lines.append(f"export MOERL_MASTER_ADDR={shlex.quote(cfg.master_addr)}")
+    lines += [_FUNCTIONS.strip(), ""]
+    # A requeued attempt must not find the previous attempt's (dead) servers.
+    lines.append('rm -rf "$MOERL_RENDEZVOUS_DIR"; mkdir -p "$MOERL_RENDEZVOUS_DIR" "$LOG_DIR"')
+    lines += list(cfg.setup)
+    for stage in plan.servers:
+        lines += ["", _server_step(stage, groups.index(stage) if het else None, cfg)]
+    for stage in plan.servers:
+        lines.append(f"moerl_wait_announced {stage.name} {stage.replicas} || exit 1")
+    lines += ["", _trainer_step(plan.trainer, 0 if het else None, cfg), _FINISH.strip(), ""]
+    return "\n".join(lines)
+
+
+def _sbatch(
+    args: Sequence[str], script: str, env: Mapping[str, str] | None, sbatch: str
+) -> subprocess.CompletedProcess[str]:
+    # The script goes in on stdin: nothing to clean up, and sbatch keeps a copy.
+    return subprocess.run(
+        [sbatch, *args], input=script, capture_output=True, text=True, env=env, check=False
+    )
+
+
+def submit(
+    script: str,
+    wait: bool = False,
+    *,
+    env: Mapping[str, str] | None = None,
+    sbatch: str = "sbatch",
+) -> Submission:
+    """Submit `script`; with `wait`, block until the job ends and return its exit code."""
+    args = ["--parsable", *(["--wait"] if wait else [])]
+    done = _sbatch(args, script, env, sbatch)
+    match = re.match(r"^(\d+)", done.stdout.strip())
+    if match is None:
+        raise SlurmError(f"sbatch failed (exit code {done.returncode}): {done.stderr.strip()}")
+    return Submission(int(match.group(1)), done.returncode if wait else None)
+
+
+def launch(plan: RunPlan, cfg: SlurmConfig, wait: bool = False) -> Submission:
+    """Render and submit `plan`; sbatch does not create the --output directory."""
+    plan.log_dir.mkdir(parents=True, exist_ok=True)
+    return submit(render_sbatch(plan, cfg), wait)
+
+
+def test_only(script: str, *, env: Mapping[str, str] | None = None, sbatch: str = "sbatch") -> str:
+    """Check `script` against the cluster without running it; sbatch's verdict.
+
+    Raises SlurmError carrying sbatch's message when the job could never run.
+    """
+    done = _sbatch(["--test-only"], script, env, sbatch)
+    message = done.stderr.strip() or done.stdout.strip()
+    if done.returncode != 0:
+        raise SlurmError(message or f"sbatch --test-only failed ({done.returncode})")
+    return message
