@@ -1,0 +1,238 @@
+"""`MoEArch` + `ParallelLayout` -> Megatron `TransformerConfig`, layer specs, `GPTModel`s.
+
+On a GPU with Transformer Engine importable the TE spec is used (and FP8 may be
+asked for); elsewhere the local spec, with every flag a CPU run needs. The model
+code never decides parallelism: it reads the layout it is given, and the process
+groups must already exist (`parallel.groups.init_parallel`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Literal
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_mtp_block_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+from moerl.models.arch import MoEArch
+from moerl.models.mla_local import MLADotProductAttention, TPExactMLASelfAttention
+from moerl.parallel.layout import ParallelLayout
+
+Fp8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
+FP8_RECIPES: tuple[str, ...] = ("delayed", "tensorwise", "blockwise", "mxfp8")
+
+
+class BuildError(ValueError):
+    """A model that cannot be built here; the message names the feature and why."""
+
+
+def te_available() -> bool:
+    """Transformer Engine importable and a GPU present (TE has no CPU path)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def _check_features(te: bool, fp8: str | None) -> None:
+    if fp8 is not None and fp8 not in FP8_RECIPES:
+        raise BuildError(f"model.fp8: unknown recipe {fp8!r}; choose one of {FP8_RECIPES}")
+    if fp8 is not None and not te:
+        raise BuildError(
+            f"model.fp8={fp8!r}: FP8 needs the Transformer Engine spec (model.te=true)"
+        )
+    if te and not te_available():
+        why = "no GPU is present" if not torch.cuda.is_available() else "it is not installed"
+        raise BuildError(
+            f"model.te: the Transformer Engine spec (and FP8) needs transformer_engine on a "
+            f"GPU, but {why}; set model.te=false and model.fp8=null for the local spec"
+        )
+
+
+def build_transformer_config(
+    arch: MoEArch,
+    layout: ParallelLayout,
+    *,
+    te: bool,
+    fp8: str | None = None,
+    bf16: bool | None = None,
+    backend: str = "gloo",
+    **overrides: Any,
+) -> TransformerConfig:
+    """The Megatron config for `arch` split by `layout`.
+
+    `bf16` defaults to on with TE and off otherwise (CPU runs keep fp32 params and
+    math). `overrides` are passed to the config last, for experiments.
+    """
+    _check_features(te, fp8)
+    bf16 = te if bf16 is None else bf16
+    cuda = torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,  # expert biases break an in-place op on the local path
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        # Loss = sum over tokens / tokens in the global batch (see trainer.step).
+        calculate_per_token_loss=True,
+        # Parallelism.
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=layout.resolved_sequence_parallel(),
+        batch_p2p_comm=layout.resolved_batch_p2p_comm(backend),
+        # Precision and device.
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=not cuda,
+        perform_initialization=True,
+        # Fused kernels exist only for CUDA (and some only with TE).
+        bias_dropout_fusion=cuda,
+        masked_softmax_fusion=cuda,
+        persist_layer_norm=te,
+        apply_rope_fusion=te,
+        bias_activation_fusion=cuda,
+        gradient_accumulation_fusion=te,
+        moe_permute_fusion=te,
+        cross_entropy_loss_fusion=cuda,
+    )
+    kwargs.update(_moe_kwargs(arch, layout))
+    if layout.stage_layers is not None:
+        kwargs["pipeline_model_parallel_layout"] = pipeline_layer_layout(arch, layout)
+    if arch.mtp_num_layers:
+        kwargs.update(mtp_num_layers=arch.mtp_num_layers, mtp_loss_scaling_factor=0.1)
+    if fp8 is not None:
+        kwargs.update(fp8="e4m3" if fp8 in ("blockwise", "mxfp8") else "hybrid", fp8_recipe=fp8)
+    kwargs.update(overrides)
+    if arch.attention == "mla":
+        return MLATransformerConfig(
+            **kwargs,
+            q_lora_rank=arch.q_lora_rank,
+            kv_lora_rank=arch.kv_lora_rank,
+            qk_head_dim=arch.qk_head_dim,
+            qk_pos_emb_head_dim=arch.qk_pos_emb_head_dim,
+            v_head_dim=arch.v_head_dim,
+            rope_type="rope",  # plain RoPE; YaRN is a context-extension choice
+            rotary_base=arch.rotary_base,
+        )
+    return TransformerConfig(
+        **kwargs,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.kv_channels,
+    )
+
+
+def pipeline_layer_layout(arch: MoEArch, layout: ParallelLayout) -> list[list[str]]:
+    """Megatron's per-chunk layer list for an explicit (uneven) split.
+
+    Chunk j (model order; it runs on pipeline rank j % pp) holds `stage_layers[j]`
+    decoder layers; the first also holds the embedding, the last the MTP layers and
+    the loss.
+    """
+    split = layout.layers_per_chunk(arch.num_layers)
+    chunks: list[list[str]] = [["decoder"] * n for n in split]
+    chunks[0].insert(0, "embedding")
+    chunks[-1] += ["mtp"] * arch.mtp_num_layers + ["loss"]
+    return chunks
+
+
+def _moe_kwargs(arch: MoEArch, layout: ParallelLayout) -> dict[str, Any]:
+    """DeepSeek-V3 style MoE: sigmoid router with expert bias, group-limited top-k."""
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_layer_freq=arch.moe_layer_pattern(),
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=arch.shared_expert_ffn_hidden_size or None,
+        moe_router_topk=arch.moe_router_topk,
+        moe_router_score_function=arch.router_score,
+        moe_router_enable_expert_bias=arch.router_expert_bias,
+        moe_router_num_groups=arch.router_num_groups,
+        moe_router_group_topk=arch.router_group_topk,
+        moe_router_topk_scaling_factor=arch.router_topk_scaling_factor,
+        moe_router_pre_softmax=arch.router_score == "softmax",
+        moe_router_dtype="fp32",
+        # Sequence-wise balance loss as in DeepSeek-V3 (the bias does the main balancing).
+        moe_router_load_balancing_type="seq_aux_loss",
+        moe_aux_loss_coeff=arch.aux_loss_coeff,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,  # the local spec would silently build SequentialMLP anyway
+    )
+
+
+def build_layer_spec(
+    config: TransformerConfig, *, te: bool, vp_stage: int | None = None
+) -> tuple[TransformerBlockSubmodules, ModuleSpec | None]:
+    """Decoder block spec for this pipeline stage and the MTP block spec (or None).
+
+    Dense layers where `moe_layer_freq` has 0, MoE elsewhere. The local spec gets
+    the two MLA fixes of `models.mla_local`.
+    """
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage
+    )
+    if not te and config.multi_latent_attention:
+        for layer in block.layer_specs:
+            _patch_local_mla(layer)
+    mtp = None
+    if config.mtp_num_layers:
+        mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=te, vp_stage=vp_stage)
+    return block, mtp
+
+
+def _patch_local_mla(layer: ModuleSpec) -> None:
+    attention = layer.submodules.self_attention
+    attention.module = TPExactMLASelfAttention
+    attention.submodules.core_attention = MLADotProductAttention
+
+
+def build_model(
+    arch: MoEArch,
+    layout: ParallelLayout,
+    *,
+    te: bool = False,
+    fp8: str | None = None,
+    backend: str = "gloo",
+    **overrides: Any,
+) -> list[GPTModel]:
+    """One `GPTModel` per virtual pipeline stage held by this rank (1 without vpp)."""
+    config = build_transformer_config(
+        arch, layout, te=te, fp8=fp8, backend=backend, **overrides
+    )
+    chunks = []
+    for vp in range(layout.virtual_stages):
+        vp_stage = vp if layout.vpp else None
+        block, mtp = build_layer_spec(config, te=te, vp_stage=vp_stage)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=block,
+            vocab_size=arch.vocab_size,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            parallel_output=True,
+            share_embeddings_and_output_weights=not arch.untie_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(arch.rotary_base),
+            mtp_block_spec=mtp,
+            vp_stage=vp_stage,
+        )
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks

@@ -1,0 +1,85 @@
+"""Model weights on disk in Megatron's sharded format, independent of layout.
+
+`save_weights` writes the model chunks of every rank as one `dist_checkpointing`
+(torch_dist) checkpoint: tensors are stored by their global names and offsets,
+so `load_weights` can read them back under any other TP/PP/VPP/EP layout
+(resharding). The write is atomic: it goes to a temporary sibling directory
+that is renamed into place only after every rank has finished, so a reader
+never sees half a checkpoint. Used by weight sync (trainer -> rollout servers),
+by checkpoints and by the parity tests.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+_MARKER = "moerl_weights_complete"
+
+
+def _unwrap(chunk: torch.nn.Module) -> Any:
+    """The GPTModel inside Megatron's DDP (and Float16Module) wrappers."""
+    inner: Any = chunk
+    while hasattr(inner, "module"):
+        inner = inner.module
+    return inner
+
+
+def _sharded_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    if len(chunks) == 1:
+        return {"model": _unwrap(chunks[0]).sharded_state_dict()}
+    # Virtual pipeline stages: Megatron names them model0, model1, ...; the tensors
+    # inside carry global layer numbers, so the dict keys do not tie the layout.
+    return {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_weights(chunks: list[torch.nn.Module], directory: str | Path) -> Path:
+    """Write the weights of all ranks to `directory` (which must not exist yet)."""
+    final = Path(directory)
+    if final.exists():
+        raise FileExistsError(f"weights directory {final} exists already; pick a new one")
+    tmp = final.with_name(f".{final.name}.partial")
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    dist_checkpointing.save(_sharded_state(chunks), str(tmp))
+    _barrier()
+    if _rank() == 0:
+        (tmp / _MARKER).write_text("ok\n")
+        os.replace(tmp, final)
+    _barrier()
+    return final
+
+
+def is_complete(directory: str | Path) -> bool:
+    return (Path(directory) / _MARKER).is_file()
+
+
+def load_weights(chunks: list[torch.nn.Module], directory: str | Path) -> None:
+    """Load weights written by `save_weights` under any layout into `chunks`."""
+    path = Path(directory)
+    if not is_complete(path):
+        raise FileNotFoundError(
+            f"{path} is not a complete weights checkpoint (missing {_MARKER}); it was "
+            "never written or its write did not finish"
+        )
+    template = _sharded_state(chunks)
+    state = dist_checkpointing.load(template, str(path))
+    for key, chunk in zip(template, chunks, strict=True):
+        _unwrap(chunk).load_state_dict(state[key], strict=True)

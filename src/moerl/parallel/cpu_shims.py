@@ -1,0 +1,330 @@
+"""Every CPU shim megatron-core 0.19 needs, in one place.
+
+Megatron-Core assumes CUDA in a handful of places. Each shim below is a small
+function that patches exactly one such place, with the reason in its docstring;
+`apply_cpu_shims()` applies them all, only when no GPU is present, and is
+idempotent. `shim_disabled(name)` lifts one shim for a test that shows it is
+needed. A catch-all `TorchFunctionMode` also works but costs 35-40% of the
+forward time, so each shim stays narrow.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class _Patch:
+    owner: Any
+    attr: str
+    original: Any
+
+
+_APPLIED: dict[str, list[_Patch]] = {}
+_current: list[str] = []  # the shim being applied, so `_set` knows whose patch it is
+
+
+def _set(owner: Any, attr: str, value: Any) -> None:
+    # Keep a class's own descriptor (classmethod, staticmethod) so undo restores it.
+    if isinstance(owner, type) and attr in owner.__dict__:
+        original = owner.__dict__[attr]
+    else:
+        original = getattr(owner, attr)
+    _APPLIED[_current[-1]].append(_Patch(owner, attr, original))
+    setattr(owner, attr, value)
+
+
+def shim_current_device() -> None:
+    """`torch.cuda.current_device()` is used as a device by the rotary embedding
+    (MLA builds it without `use_cpu_initialization`) and the router; on CPU it
+    raises "Found no NVIDIA driver". Answer "cpu", which every caller only passes
+    on as `device=`."""
+    _set(torch.cuda, "current_device", lambda: "cpu")
+
+
+class _CpuStream:
+    """A CUDA stream / event stand-in: CPU work is already in program order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _CpuStream:
+        return self
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def shim_streams() -> None:
+    """The alltoall dispatcher (device-to-host copies of split sizes) and shared
+    experts create `torch.cuda.Stream()`/`Event()` and enter `torch.cuda.stream(s)`
+    unconditionally; without a driver these raise. On CPU there is one ordered
+    stream, so every stream and event is a no-op stand-in."""
+    _set(torch.cuda, "Stream", _CpuStream)
+    _set(torch.cuda, "Event", _CpuStream)
+    _set(torch.cuda, "current_stream", lambda device=None: _CPU_STREAM)
+    _set(torch.cuda, "stream", lambda stream=None: nullcontext())
+
+
+def shim_split_sizes() -> None:
+    """The alltoall dispatcher turns its all-to-all split sizes into numpy through
+    `maybe_move_tensor_to_cpu(..., as_numpy=True)`, which only converts CUDA
+    tensors. On CPU they stay tensors, and gloo's `all_to_all_single` at EP > 1
+    rejects tensor split sizes. Convert CPU tensors too."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def move(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    _set(token_dispatcher, "maybe_move_tensor_to_cpu", move)
+
+
+@functools.lru_cache(maxsize=32)
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    # [sq, sq] bool, True above the diagonal (positions a query may not see)
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def shim_causal_mask() -> None:
+    """`get_default_causal_mask` (used by the local attention's softmax when no
+    mask is passed) hard-codes `device="cuda"`. It is the only CUDA assumption on
+    the forward path; build the same mask on CPU."""
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    _set(utils, "get_default_causal_mask", _cpu_causal_mask)
+    _set(fused_softmax, "get_default_causal_mask", _cpu_causal_mask)
+
+
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
+
+
+class _CpuTorch(types.ModuleType):
+    """`torch` as seen from one Megatron module: tensor factories asked for
+    `device="cuda"` build on CPU instead; everything else is torch itself."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        if name not in _FACTORIES:
+            return value
+
+        def factory(*args: Any, **kwargs: Any) -> Any:
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return value(*args, **kwargs)
+
+        return factory
+
+
+_TRAINING_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.distributed.param_and_grad_buffer",
+)
+
+
+def shim_cuda_device_strings() -> None:
+    """The pipeline schedules (token counter), optimizers (found-inf flags, grad-norm
+    buffers) and grad buffers create small tensors with a hard-coded
+    `device="cuda"`. Give exactly those modules a `torch` whose factories build on
+    CPU; the forward path (model code) is untouched, so it costs nothing there."""
+    import importlib
+
+    for module_name in _TRAINING_MODULES:
+        _set(importlib.import_module(module_name), "torch", _CpuTorch())
+    # Gradient clipping's fallback l2-norm kernel (megatron.core.utils, which is on
+    # the forward path, so it is replaced rather than given the proxy).
+    from megatron.core.optimizer import clip_grads
+
+    _set(clip_grads, "l2_norm_impl", _cpu_l2_norm)
+
+
+def _cpu_l2_norm(
+    chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], *args: Any
+) -> tuple[torch.Tensor, None]:
+    # Norm of the norms of every tensor: [1] float32, as the fused kernel returns.
+    norms = [torch.norm(t.float()) for tensors in tensor_lists for t in tensors]
+    return torch.norm(torch.stack(norms)).reshape(1), None
+
+
+def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` run with `Tensor.type()` naming CPU tensors as their CUDA twins."""
+    names = {
+        "torch.FloatTensor": "torch.cuda.FloatTensor",
+        "torch.HalfTensor": "torch.cuda.HalfTensor",
+        "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    }
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        original = torch.Tensor.type
+
+        def type_(self: torch.Tensor, *targs: Any, **tkwargs: Any) -> Any:
+            result = original(self, *targs, **tkwargs)
+            return names.get(result, result) if not targs and not tkwargs else result
+
+        torch.Tensor.type = type_  # type: ignore[method-assign,assignment]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original  # type: ignore[method-assign]
+
+    return wrapped
+
+
+def shim_cuda_type_checks() -> None:
+    """The distributed optimizer (building its fp32 main params), the fp16/bf16
+    optimizer and gradient clipping assert `param.type() == 'torch.cuda.FloatTensor'`
+    and reject CPU tensors. Only these three calls (set-up, and clipping once a
+    step) see CPU float tensors named as CUDA ones; `Tensor.type` is restored after."""
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    dist_opt = distrib_optimizer.DistributedOptimizer
+    build = dist_opt.__dict__["_build_model_and_main_param_groups"].__func__
+    _set(dist_opt, "_build_model_and_main_param_groups",
+         classmethod(_with_cuda_type_names(build)))
+    f16_init = optimizer.Float16OptimizerWithFloat16Params.__init__
+    _set(optimizer.Float16OptimizerWithFloat16Params, "__init__", _with_cuda_type_names(f16_init))
+    clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    _set(clip_grads, "clip_grad_by_total_norm_fp32", clip)
+    _set(optimizer, "clip_grad_by_total_norm_fp32", clip)
+
+
+def _with_tensor_cuda_as_noop(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` run with `Tensor.cuda()` returning the tensor itself."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        original = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+    return wrapped
+
+
+def shim_embedding_sync() -> None:
+    """With pipeline stages (or MTP on the last stage), the language model copies
+    the word embeddings to the last stage by `weight.data.cuda()` and an
+    all-reduce, at construction. Run that set-up with `.cuda()` as a no-op."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup = LanguageModule.setup_embeddings_and_output_layer
+    _set(LanguageModule, "setup_embeddings_and_output_layer", _with_tensor_cuda_as_noop(setup))
+
+
+def shim_synchronize() -> None:
+    """Batched pipeline p2p calls `torch.cuda.synchronize()` after its sends and
+    receives (a guard for NCCL); gloo's waits already completed them, so on CPU it
+    is a no-op."""
+    _set(torch.cuda, "synchronize", lambda device=None: None)
+
+
+def shim_norm_sequence_parallel() -> None:
+    """The local spec's norm (`WrappedTorchNorm`, used without Apex or TE) asserts
+    `not config.sequence_parallel`, though a norm is per token and works on a
+    sequence shard as well. Build it without the flag, then tag its parameters
+    `.sequence_parallel = True` as Megatron's own norms do, so that
+    `finalize_model_grads` all-reduces their partial gradients over the TP group."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__new__
+
+    def new(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:
+        if not config.sequence_parallel:
+            return original(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original(cls, plain, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    _set(WrappedTorchNorm, "__new__", new)
+
+
+SHIMS: dict[str, Callable[[], None]] = {
+    "embedding_sync": shim_embedding_sync,
+    "norm_sequence_parallel": shim_norm_sequence_parallel,
+    "cuda_device_strings": shim_cuda_device_strings,
+    "cuda_type_checks": shim_cuda_type_checks,
+    "synchronize": shim_synchronize,
+    "causal_mask": shim_causal_mask,
+    "current_device": shim_current_device,
+    "streams": shim_streams,
+    "split_sizes": shim_split_sizes,
+}
+
+
+def _apply(name: str) -> None:
+    if name in _APPLIED:
+        return
+    _APPLIED[name] = []
+    _current.append(name)
+    try:
+        SHIMS[name]()
+    finally:
+        _current.pop()
+
+
+def _undo(name: str) -> None:
+    for patch in reversed(_APPLIED.pop(name, [])):
+        setattr(patch.owner, patch.attr, patch.original)
+
+
+def apply_cpu_shims(force: bool = False) -> None:
+    """Apply every shim once, when no GPU is present (or `force`, for tests)."""
+    if torch.cuda.is_available() and not force:
+        return
+    for name in SHIMS:
+        _apply(name)
+
+
+def applied() -> list[str]:
+    return list(_APPLIED)
+
+
+@contextmanager
+def shim_disabled(name: str) -> Iterator[None]:
+    """Lift shim `name` inside the block (it is put back afterwards if it was on)."""
+    was_on = name in _APPLIED
+    _undo(name)
+    try:
+        yield
+    finally:
+        if was_on:
+            _apply(name)

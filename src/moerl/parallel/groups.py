@@ -1,0 +1,135 @@
+"""torch.distributed and Megatron-Core process groups for a `ParallelLayout`.
+
+Under torchrun the usual environment variables (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT) describe the job; without them this is a single process and a
+one-rank group is made on a private TCP store on 127.0.0.1. The backend is nccl
+when CUDA is present and gloo otherwise (where the CPU shims are applied first).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+
+from moerl.parallel.cpu_shims import apply_cpu_shims
+from moerl.parallel.layout import LayoutError, ParallelLayout
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's place in the layout, and the groups callers pass around."""
+
+    layout: ParallelLayout
+    backend: str
+    rank: int
+    world_size: int
+    tp_rank: int
+    pp_rank: int
+    ep_rank: int
+    dp_rank: int
+    dp_group: dist.ProcessGroup  # data parallel (with cp), dense parameters
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    device: torch.device
+
+    @property
+    def is_pp_first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_pp_last(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The rank that prints: the last pipeline stage (it holds the loss), first of dp/tp."""
+        return self.is_pp_last and self.dp_rank == 0 and self.tp_rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _init_process_group(backend: str) -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend)
+        return
+    # One process without torchrun: a private store, so tests can run in parallel.
+    store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True)
+    dist.init_process_group(backend=backend, store=store, rank=0, world_size=1)
+
+
+def init_parallel(
+    layout: ParallelLayout, backend: str | None = None, seed: int = 0
+) -> ParallelGroups:
+    """Start torch.distributed and Megatron's model-parallel groups for `layout`.
+
+    The layout is checked against the world size first (a wrong dp fails here
+    with the field named, not deep inside Megatron).
+    """
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    if not cuda:
+        apply_cpu_shims()
+    elif "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    _init_process_group(backend)
+    world = dist.get_world_size()
+    if world != layout.world_size:
+        raise LayoutError(
+            f"parallel: tp*pp*cp*dp = {layout.world_size} but {world} ranks were started; "
+            f"set parallel.dp={max(world // (layout.tp * layout.pp * layout.cp), 1)} "
+            f"or start {layout.world_size} ranks"
+        )
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
+    _seed(seed, cuda)
+    return ParallelGroups(
+        layout=layout,
+        backend=backend,
+        rank=dist.get_rank(),
+        world_size=world,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+    )
+
+
+def _seed(seed: int, cuda: bool) -> None:
+    """Same seed on every rank: CPU init draws full matrices and slices them, so
+    weights are identical whatever the layout."""
+    if cuda:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        return
+    torch.manual_seed(seed)
+    # No CUDA RNG to fork per tp rank; the inference tracker is a plain CPU one.
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron's groups and torch.distributed (safe to call twice)."""
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

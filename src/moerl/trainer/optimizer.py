@@ -1,0 +1,109 @@
+"""Megatron DDP + `get_megatron_optimizer` + a warmup/cosine LR schedule.
+
+The model chunks are wrapped in Megatron's `DistributedDataParallel` (contiguous
+grad buffers; with the distributed optimizer the fp32 optimizer state is sharded
+over data-parallel ranks), and the shared `TransformerConfig` gets the hooks the
+pipeline schedules call: `no_sync_func` and `finalize_model_grads_func` (data
+parallel all-reduce, embedding and layer-norm grads across stages, the router's
+expert-bias update).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.distributed import DistributedDataParallel as DDP
+from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from moerl.parallel.layout import ParallelLayout
+
+
+@dataclass
+class OptimConfig:
+    """Adam with decoupled weight decay, linear warmup then cosine decay to min_lr."""
+
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    decay_steps: int = 1000  # the cosine reaches min_lr after this many steps
+    # None: as the layout says (ParallelLayout.use_distributed_optimizer).
+    use_distributed_optimizer: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"optim: need 0 <= min_lr <= lr and lr > 0, got {self}")
+        if self.warmup_steps < 0 or self.decay_steps <= self.warmup_steps:
+            raise ValueError("optim.decay_steps: must exceed warmup_steps (>= 0)")
+
+
+@dataclass
+class Trainable:
+    """What a training loop needs: DDP-wrapped chunks, their optimizer, the LR schedule."""
+
+    model: list[DDP]
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+
+
+def build_optimizer(
+    model_chunks: list[GPTModel], cfg: OptimConfig, layout: ParallelLayout
+) -> Trainable:
+    """Wrap `model_chunks` in Megatron DDP and build the optimizer and schedule."""
+    distributed = (
+        layout.use_distributed_optimizer
+        if cfg.use_distributed_optimizer is None
+        else cfg.use_distributed_optimizer
+    )
+    config = model_chunks[0].config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed,
+    )
+    model = [
+        # Only the first chunk keeps bucketing (as Megatron-LM does with vpp).
+        DDP(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(model_chunks)
+    ]
+    for chunk in model:
+        chunk.broadcast_params()  # same start on every dp rank, whatever the seeding
+    config.no_sync_func = [c.no_sync for c in model] if len(model) > 1 else model[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2,
+            adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad,
+            bf16=config.bf16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=distributed,
+        ),
+        model,
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if cfg.warmup_steps else cfg.lr,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.warmup_steps,
+        lr_decay_steps=cfg.decay_steps,
+        lr_decay_style="cosine",
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=cfg.decay_steps,
+        wd_incr_style="constant",
+    )
+    return Trainable(model=model, optimizer=optimizer, scheduler=scheduler)
