@@ -1,0 +1,214 @@
+"""Runs inside the sandbox (system Python 3.11, standard library only): HumanEval-style
+tests with the grader and the candidate in separate processes.
+
+    grader process (this file, no argument)     candidate process (this file, `candidate`)
+      holds the tests and the nonce               runs prompt + completion
+      non-dumpable: its memory, fds and           answers calls to the entry point with
+      environ are closed to the candidate         values encoded as plain data
+      writes one record per test to the
+      result channel, which only it holds
+
+The candidate never shares memory with the tests: it cannot read the expected values,
+the nonce or the channel, and what it returns is rebuilt here from plain data, so an
+object whose `==` always returns True cannot reach an assert. Exiting early
+(`exit(0)`, `os._exit(0)`) only leaves tests without a passing record, and printed
+"PASSED" lines go to stdout, which nobody grades. Each top-level statement of `check`
+that contains an assert is one test; the grader outside counts them itself.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import struct
+import sys
+from typing import Any
+
+# ast, ctypes and subprocess are imported where the grader needs them: the candidate
+# process starts faster without them. Both run with `-I -S` for the same reason.
+
+_HEADER = struct.Struct(">I")
+_MAX_DEPTH = 200
+
+
+def encode(value: Any, depth: int = 0) -> Any:
+    """Plain data only, by exact type: subclasses (and their overridden `==`) are refused."""
+    if depth > _MAX_DEPTH:
+        raise TypeError("value nested too deeply")
+    kind = type(value)
+    if value is None:
+        return ["N"]
+    if kind is bool:
+        return ["b", value]
+    if kind is int:
+        return ["i", hex(value)]  # hex has no digit limit, unlike str(int)
+    if kind is float:
+        return ["f", value]
+    if kind is str:
+        return ["s", value]
+    if kind is bytes:
+        return ["y", value.hex()]
+    if kind is complex:
+        return ["c", [value.real, value.imag]]
+    tags: dict[type, str] = {list: "l", tuple: "t", set: "S", frozenset: "F"}
+    if kind in tags:
+        return [tags[kind], [encode(v, depth + 1) for v in value]]
+    if kind is dict:
+        return ["d", [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]]
+    raise TypeError(f"cannot return a value of type {kind.__name__}")
+
+
+_SIMPLE: dict[str, Any] = {
+    "N": lambda b: None, "b": bool, "i": lambda b: int(b, 16), "f": float, "s": str,
+    "y": bytes.fromhex, "c": lambda b: complex(float(b[0]), float(b[1])),
+}  # fmt: skip
+_CONTAINERS: dict[str, Any] = {"l": list, "t": tuple, "S": set, "F": frozenset}
+
+
+def decode(wire: Any) -> Any:
+    """Rebuild a value from plain data; only builtin types can come out."""
+    tag, body = wire[0], wire[1] if len(wire) > 1 else None
+    if tag in _SIMPLE:
+        return _SIMPLE[tag](body)
+    if tag in _CONTAINERS:
+        return _CONTAINERS[tag](decode(v) for v in body or ())
+    if tag == "d":
+        return {decode(k): decode(v) for k, v in body or ()}
+    raise ValueError(f"bad wire tag {tag!r}")
+
+
+def send(fd: int, message: Any) -> None:
+    data = json.dumps(message).encode()
+    os.write(fd, _HEADER.pack(len(data)))
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def receive(fd: int) -> Any:
+    def exactly(n: int) -> bytes:
+        chunks = b""
+        while len(chunks) < n:
+            chunk = os.read(fd, n - len(chunks))
+            if not chunk:
+                raise EOFError("peer closed")
+            chunks += chunk
+        return chunks
+
+    (length,) = _HEADER.unpack(exactly(_HEADER.size))
+    return json.loads(exactly(length))
+
+
+def candidate_main(req_fd: int, resp_fd: int) -> None:
+    source, entry_point = receive(req_fd)
+    namespace: dict[str, Any] = {"__name__": "__candidate__"}
+    try:
+        code = compile(source, "<completion>", "exec")
+    except (SyntaxError, ValueError) as exc:
+        send(resp_fd, ["compile_error", f"{type(exc).__name__}: {exc}"])
+        return
+    try:
+        exec(code, namespace)
+        function = namespace[entry_point]
+    except BaseException as exc:
+        send(resp_fd, ["load_error", f"{type(exc).__name__}: {exc}"])
+        return
+    send(resp_fd, ["ready"])
+    while True:
+        try:
+            args, kwargs = receive(req_fd)
+        except EOFError:
+            return
+        try:
+            result = function(*decode(args), **decode(kwargs))
+            send(resp_fd, ["ok", encode(result)])
+        except BaseException as exc:
+            send(resp_fd, ["raise", type(exc).__name__, str(exc)[:500]])
+
+
+class Candidate:
+    """The grader's handle on the candidate process; calling it calls the entry point."""
+
+    def __init__(self, source: str, entry_point: str) -> None:
+        import subprocess
+
+        req_r, self.req_w = os.pipe()
+        self.resp_r, resp_w = os.pipe()
+        me = os.path.abspath(__file__)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", me, "candidate", str(req_r), str(resp_w)],
+            stdin=subprocess.DEVNULL, pass_fds=(req_r, resp_w), close_fds=True,
+            env={"PATH": "/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8"},
+        )  # fmt: skip
+        os.close(req_r)
+        os.close(resp_w)
+        send(self.req_w, [source, entry_point])
+        try:
+            self.state = receive(self.resp_r)
+        except EOFError:
+            self.state = ["load_error", "candidate exited while loading"]
+        self.dead = self.state[0] != "ready"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.dead:
+            raise RuntimeError("candidate process is not running")
+        try:
+            send(self.req_w, [encode(list(args)), encode(dict(kwargs))])
+            reply = receive(self.resp_r)
+        except (EOFError, BrokenPipeError):
+            self.dead = True
+            raise RuntimeError("candidate process exited") from None
+        if reply[0] == "ok":
+            return decode(reply[1])
+        error = getattr(builtins, reply[1], None)
+        if isinstance(error, type) and issubclass(error, Exception):
+            raise error(reply[2])
+        raise RuntimeError(f"{reply[1]}: {reply[2]}")
+
+
+def grader_main() -> None:
+    import ast
+    import contextlib
+    import ctypes
+
+    config = json.loads(sys.stdin.read())
+    channel = int(os.environ.pop("MOERL_CHANNEL_FD"))
+    os.set_inheritable(channel, False)  # belt and braces: no child may get the channel
+    nonce = config["nonce"]
+
+    def emit(record: dict[str, Any]) -> None:
+        os.write(channel, (json.dumps({"nonce": nonce, **record}) + "\n").encode())
+
+    # PR_SET_DUMPABLE = 4: the candidate (same uid) can no longer open our /proc files.
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+    namespace: dict[str, Any] = {"__name__": "__grader__"}
+    # Helpers the tests use (e.g. `poly`) come from the trusted prompt, not the model.
+    with contextlib.suppress(BaseException):
+        exec(compile(config["prompt"], "<prompt>", "exec"), namespace)
+    module = ast.parse(config["test"])
+    check = next(n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == "check")
+    exec(compile(ast.Module([n for n in module.body if n is not check], []), "<test>", "exec"),
+         namespace)  # fmt: skip
+    candidate = Candidate(config["program"], config["entry_point"])
+    emit({"kind": "load", "state": candidate.state[0], "error": candidate.state[-1][:2000]})
+    # As in HumanEval's own runner, the tests may name the entry point directly.
+    namespace[check.args.args[0].arg] = namespace[config["entry_point"]] = candidate
+    index = 0
+    for statement in check.body:
+        error = None
+        try:
+            exec(compile(ast.Module([statement], []), "<check>", "exec"), namespace)
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"[:500]
+        if any(isinstance(node, ast.Assert) for node in ast.walk(statement)):
+            emit({"kind": "test", "index": index, "passed": error is None, "error": error})
+            index += 1
+    emit({"kind": "done"})
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["candidate"]:
+        candidate_main(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        grader_main()

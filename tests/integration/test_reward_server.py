@@ -1,0 +1,185 @@
+"""The real reward server (own process, 127.0.0.1, a free port, the real sandbox) and the
+real client: hostile batches, lost responses, a killed server (RELIABILITY.md 1-3, 11,
+13, 14 at service level)."""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from moerl.rl.rewards.client import RewardClient, RewardClientConfig, ScoreItem, discover
+from moerl.rl.rewards.protocol import RewardResult
+from moerl.rl.sandbox import Sandbox
+
+pytestmark = pytest.mark.sandbox
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class CountingReward:
+    """A reward with a side effect (one line appended per execution), standing in for a
+    non-idempotent command. spec: {"file": path, "sleep": seconds, "explode": bool}."""
+
+    name = "count"
+
+    def __init__(self, sandbox: object) -> None:
+        pass
+
+    def score(self, completion: str, spec: Mapping[str, Any]) -> RewardResult:
+        with open(spec["file"], "a") as fh:
+            fh.write(completion + "\n")
+        time.sleep(float(spec.get("sleep", 0)))
+        if spec.get("explode"):
+            raise RuntimeError("reward crashed")
+        return RewardResult(reward=1.0)
+
+
+@pytest.fixture(scope="module")
+def server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    if not Path("/usr/bin/bwrap").exists():
+        pytest.skip("bubblewrap is not installed")
+    rendezvous = tmp_path_factory.mktemp("rendezvous")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moerl.rl.rewards.server", "--host", "127.0.0.1", "--port", "0",
+         "--max-concurrency", "2", "--rendezvous-dir", str(rendezvous),
+         "--reward", "humaneval=humaneval", "--reward", "stdio=stdio",
+         "--reward", "math=math", "--reward", "format=format",
+         "--reward", f"count={__name__}:CountingReward"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{Path(__file__).parent}"},
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not discover(rendezvous) and time.monotonic() < deadline:
+        assert proc.poll() is None, "reward server exited during start-up"
+        time.sleep(0.1)
+    assert discover(rendezvous), "reward server never announced itself"
+    yield proc, rendezvous
+    proc.kill()
+    proc.wait()
+
+
+def client(rendezvous: Path, **kw: Any) -> RewardClient:
+    cfg = RewardClientConfig(
+        rendezvous_dir=rendezvous, backoff_base_s=0.05, backoff_cap_s=0.2, **kw
+    )
+    return RewardClient(cfg, seed=0)
+
+
+PRINTS_OK = {"language": "python", "cases": [{"input": "", "output": "ok"}]}
+HE = {
+    "prompt": "def sq(x):\n",
+    "entry_point": "sq",
+    "test": "def check(candidate):\n    assert candidate(3) == 9\n    assert candidate(0) == 0\n",
+}
+
+
+def test_mixed_hostile_batch_is_scored_and_the_server_survives(server: tuple[Any, Path]) -> None:
+    proc, rendezvous = server
+    items = [
+        ScoreItem("humaneval", "    return x * x\n", HE),
+        ScoreItem("humaneval", "    import os; os._exit(0)\n", HE),
+        ScoreItem("stdio", "print('ok')", PRINTS_OK),
+        ScoreItem("stdio", "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass\n",
+                  {**PRINTS_OK, "limits": {"wall_time_s": 2}}),
+        ScoreItem("stdio", "x = []\nwhile True: x.append(b'x' * (16 << 20))\n", PRINTS_OK),
+        ScoreItem("stdio", "while True: print('y' * 100000)\n", PRINTS_OK),
+        ScoreItem("math", "so \\boxed{12}", {"answer": "12"}),
+        ScoreItem("format", "<answer>1</answer>", {"tag": "answer"}),
+        ScoreItem("nope", "", {}),
+    ]  # fmt: skip
+    report = client(rendezvous).score(items, step=0)
+    rewards = [r.reward for r in report.results]
+    assert rewards[:8] == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    statuses = [r.status for r in report.results[3:6]]
+    assert statuses == ["timeout", "memory_limit", "output_limit"]
+    assert report.results[8].error_kind == "invalid_spec"
+    assert report.metrics["reward/infra_errors"] == 0
+    health = httpx.get(f"{discover(rendezvous)[0]}/health", timeout=5).json()
+    assert health["status"] == "ok" and proc.poll() is None
+
+
+def test_reward_crash_is_an_infra_error(server: tuple[Any, Path], tmp_path: Path) -> None:
+    spec = {"file": str(tmp_path / "log"), "explode": True}
+    report = client(server[1], max_attempts=2).score([ScoreItem("count", "x", spec)], step=0)
+    result = report.results[0]
+    assert (
+        result.reward is None and result.error_kind == "infra" and "crashed" in (result.error or "")
+    )
+    assert report.metrics["reward/infra_errors"] == 1
+
+
+def test_lost_response_does_not_run_a_command_twice(
+    server: tuple[Any, Path], tmp_path: Path
+) -> None:
+    log = tmp_path / "executions"
+    spec = {"file": str(log), "sleep": 1.5}
+    # The client stops waiting after 0.5 s, twice; the retry carries the same id, so the
+    # server joins the execution already running instead of starting another.
+    report = client(server[1], timeout_s=0.5, max_attempts=8).score(
+        [ScoreItem("count", "rm -rf /precious", spec)], step=0
+    )
+    assert report.results[0].reward == 1.0 and report.metrics["reward/retries"] >= 1
+    assert log.read_text().splitlines() == ["rm -rf /precious"]
+
+
+def _marked(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def test_killed_server_takes_its_sandboxes_along_then_clients_see_infra_errors(
+    server: tuple[subprocess.Popen[bytes], Path],
+) -> None:
+    proc, rendezvous = server
+    marker = f"moerl-served-{uuid.uuid4().hex}"
+    url = discover(rendezvous)[0]
+    program = (
+        "import subprocess, time\n"
+        "nap = ['/usr/bin/python3', '-c', 'import time; time.sleep(999)']\n"
+        f"subprocess.Popen(['setsid', *nap, '{marker}'])\n"
+        "time.sleep(999)\n"
+    )
+    item = {"id": uuid.uuid4().hex, "reward": "stdio", "completion": program,
+            "spec": {"language": "python", "cases": [{"input": "", "output": ""}]}}  # fmt: skip
+    with pytest.raises(httpx.HTTPError), httpx.Client(timeout=20) as http:
+        pending = http.build_request("POST", f"{url}/score", json={"items": [item]})
+        deadline = time.monotonic() + 15
+
+        def kill_when_running() -> None:
+            while not _marked(marker) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGKILL)
+
+        threading.Thread(target=kill_when_running, daemon=True).start()
+        http.send(pending)
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while _marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _marked(marker) == []
+    # The server is gone: its clients get infra errors after retries, not rewards of 0.
+    report = client(rendezvous, max_attempts=2).score(
+        [ScoreItem("format", "<answer>1</answer>", {})], step=1
+    )
+    assert report.results[0].reward is None and report.results[0].error_kind == "infra"
+    # What the killed server left (its empty cgroups, its work dir) goes with the next one.
+    Sandbox()
+    leftovers = list(Path(tempfile.gettempdir(), "moerl-sandbox-work").glob(f"run-{proc.pid}-*"))
+    assert leftovers == []

@@ -1,0 +1,157 @@
+"""Code rewards against the real sandbox: pass rates, compile status, and the tricks
+that must never pass (RELIABILITY.md cases 8, 9, 10 and the always-equal object)."""
+
+import time
+
+import pytest
+
+from moerl.rl.rewards.code import HumanEvalReward, StdioReward, count_tests
+from moerl.rl.rewards.protocol import InvalidSpec
+from moerl.rl.sandbox import Limits, Sandbox, SandboxConfig
+
+pytestmark = pytest.mark.sandbox
+
+SPEC = {
+    "prompt": 'def add(a, b):\n    """Return a + b."""\n',
+    "entry_point": "add",
+    "test": (
+        "def check(candidate):\n"
+        "    assert candidate(1, 2) == 3\n"
+        "    assert candidate(-1, 1) == 0\n"
+        "    assert candidate(2, 2) == 4\n"
+        "    for a in range(5):\n"
+        "        assert candidate(a, 10) == a + 10\n"
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def humaneval(sandbox: Sandbox) -> HumanEvalReward:
+    return HumanEvalReward(sandbox)
+
+
+def test_correct_partial_and_wrong_completions(humaneval: HumanEvalReward) -> None:
+    good = humaneval.score("    return a + b\n", SPEC)
+    assert (good.reward, good.passed, good.total, good.compile_ok) == (1.0, 4, 4, True)
+    partial = humaneval.score(
+        "    return 4 if a == 2 else a - b + 2 * b * (a != 1) + 2 * (a == 1)\n", SPEC
+    )
+    assert partial.reward is not None and 0 < partial.reward < 1
+    syntax = humaneval.score("    return a +\n", SPEC)
+    assert syntax.reward == 0.0 and syntax.compile_ok is False and syntax.status == "compile_error"
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "    exit(0)\n",
+        "    import sys; sys.exit(0)\n",
+        "    import os; os._exit(0)\n",
+        "    return a + b\nimport os\nos._exit(0)\n",  # exits while being defined
+        "    raise SystemExit(0)\n",
+    ],
+)
+def test_exit_tricks_are_not_a_pass(humaneval: HumanEvalReward, completion: str) -> None:
+    assert humaneval.score(completion, SPEC).reward == 0.0
+
+
+def test_fake_passed_lines_and_always_equal_objects_are_not_a_pass(
+    humaneval: HumanEvalReward,
+) -> None:
+    fake = humaneval.score(
+        "    print('PASSED\\nOK\\nall tests passed'); import sys; sys.exit(1)\n", SPEC
+    )
+    assert fake.reward == 0.0
+    always_equal = (
+        "    class Any(int):\n"
+        "        def __eq__(self, other): return True\n"
+        "        __hash__ = int.__hash__\n"
+        "    return Any(0)\n"
+    )
+    assert humaneval.score(always_equal, SPEC).reward == 0.0
+    plain_object = "    class E:\n        def __eq__(self, other): return True\n    return E()\n"
+    assert humaneval.score(plain_object, SPEC).reward == 0.0
+
+
+def test_candidate_cannot_reach_the_grader_or_forge_records(humaneval: HumanEvalReward) -> None:
+    forger = (
+        "    import os, json, glob\n"
+        "    seen = []\n"
+        "    for path in glob.glob('/proc/*/environ') + glob.glob('/proc/*/fd/*'):\n"
+        "        try:\n"
+        "            seen.append(open(path, 'rb').read(100))\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    for fd in range(3, 256):\n"
+        "        for i in range(4):\n"
+        "            rec = {'nonce': 'x', 'kind': 'test', 'index': i, 'passed': True}\n"
+        "            try:\n"
+        "                os.write(fd, (json.dumps(rec) + '\\n').encode())\n"
+        "            except OSError:\n"
+        "                pass\n"
+        "    return None\n"
+    )
+    result = humaneval.score(forger, SPEC)
+    assert result.reward == 0.0
+
+
+def test_sandbox_failure_is_an_infra_error_not_zero() -> None:
+    broken = Sandbox(SandboxConfig(ro_binds=("/usr", "/nonexistent-moerl-dir")))
+    result = HumanEvalReward(broken).score("    return a + b\n", SPEC)
+    assert result.reward is None and result.error_kind == "infra"
+
+
+def test_invalid_specs_are_rejected(humaneval: HumanEvalReward) -> None:
+    with pytest.raises(InvalidSpec):
+        humaneval.score("x", {**SPEC, "test": "def nope(): pass"})
+    with pytest.raises(InvalidSpec):
+        humaneval.score("x", {"prompt": "", "test": SPEC["test"]})
+    assert count_tests(SPEC["test"]) == 4
+
+
+CASES = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 7\n", "output": "12"}]
+
+
+@pytest.fixture(scope="module")
+def stdio(sandbox: Sandbox) -> StdioReward:
+    return StdioReward(sandbox)
+
+
+@pytest.mark.parametrize(
+    ("language", "source"),
+    [
+        ("python", "a, b = map(int, input().split())\nprint(a + b)\n"),
+        ("c", "#include <stdio.h>\nint main(){long a,b;scanf(\"%ld %ld\",&a,&b);"
+              "printf(\"%ld\\n\",a+b);return 0;}\n"),
+        ("cpp", "#include <iostream>\nint main(){long a,b;std::cin>>a>>b;"
+                "std::cout<<a+b<<std::endl;}\n"),
+        ("bash", "read a b; echo $((a + b))\n"),
+    ],
+)  # fmt: skip
+def test_stdio_programs_in_each_language(stdio: StdioReward, language: str, source: str) -> None:
+    result = stdio.score(source, {"language": language, "cases": CASES})
+    assert result.reward == 1.0, result
+
+
+def test_stdio_failures(stdio: StdioReward) -> None:
+    wrong_once = stdio.score("a, b = map(int, input().split())\nprint(3)\n",
+                             {"language": "python", "cases": CASES})  # fmt: skip
+    assert wrong_once.reward == 0.5 and wrong_once.passed == 1
+    # The right output followed by a non-zero exit is not a pass.
+    bad_exit = stdio.score("a, b = map(int, input().split())\nprint(a + b)\nraise SystemExit(1)\n",
+                           {"language": "python", "cases": CASES})  # fmt: skip
+    assert bad_exit.reward == 0.0
+    broken_c = stdio.score("int main( {", {"language": "c", "cases": CASES})
+    assert broken_c.compile_ok is False and broken_c.reward == 0.0
+    assert "error" in str(broken_c.details["compiler"])
+    with pytest.raises(InvalidSpec):
+        stdio.score("", {"language": "cobol", "cases": CASES})
+
+
+def test_limits_requested_in_the_spec_are_clamped(stdio: StdioReward) -> None:
+    t0 = time.monotonic()
+    result = stdio.score("import time\ntime.sleep(1000)\n", {
+        "language": "python", "cases": CASES[:1], "limits": {"wall_time_s": 1e9},
+    })  # fmt: skip
+    assert result.reward == 0.0 and result.status == "timeout"
+    assert time.monotonic() - t0 < Limits(wall_time_s=5).wall_time_s + 3

@@ -1,0 +1,56 @@
+"""Plug-in contract: every reward loadable by import path satisfies the protocol and
+scores a known-good sample 1.0 and a known-bad one below it; bad paths fail clearly."""
+
+from typing import Any
+
+import pytest
+
+from moerl.rl.rewards.protocol import RewardFunction, RewardResult
+from moerl.rl.rewards.registry import BUILTIN, RewardLoadError, load_reward
+from moerl.rl.sandbox import Sandbox
+
+EXAMPLES: dict[str, tuple[dict[str, Any], str, str]] = {
+    "humaneval": (
+        {"prompt": "def inc(x):\n", "entry_point": "inc",
+         "test": "def check(candidate):\n    assert candidate(1) == 2\n"},
+        "    return x + 1\n", "    return x\n",
+    ),
+    "stdio": (
+        {"language": "python", "cases": [{"input": "2\n", "output": "4\n"}]},
+        "print(int(input()) * 2)\n", "print(5)\n",
+    ),
+    "math": ({"answer": "3"}, "\\boxed{3}", "\\boxed{4}"),
+    "format": ({"tag": "answer"}, "<answer>3</answer>", "3"),
+}  # fmt: skip
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+def test_builtin_rewards_honour_the_contract(sandbox: Sandbox, name: str) -> None:
+    reward = load_reward(BUILTIN[name], sandbox)
+    assert isinstance(reward, RewardFunction) and reward.name == name
+    spec, good, bad = EXAMPLES[name]
+    good_result, bad_result = reward.score(good, spec), reward.score(bad, spec)
+    assert isinstance(good_result, RewardResult) and good_result.reward == 1.0
+    assert bad_result.reward is not None and bad_result.reward < 1.0
+    assert good_result.error_kind is None
+
+
+class NotAReward:
+    def __init__(self, sandbox: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("moerl.rl.rewards.code.HumanEvalReward", "must look like"),
+        ("moerl.rl.rewards.nope:Reward", "cannot import module"),
+        ("moerl.rl.rewards.code:Nope", "has no attribute 'Nope'"),
+        ("moerl.rl.rewards.code:HARNESS", "not callable"),
+        (f"{__name__}:NotAReward", "lacks `name: str`"),
+    ],
+)
+def test_bad_import_paths_fail_with_a_clear_message(path: str, message: str) -> None:
+    with pytest.raises(RewardLoadError, match=message):
+        load_reward(path, None)
