@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
+import warnings
 from collections.abc import Callable
 
 from moerl.models.arch import ArchError
@@ -106,7 +109,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_expected_warnings() -> None:
+    """Megatron announces at import that TE and Apex are absent: expected on CPU, and
+    it drowns the run's own output. Warnings from the project itself stay on."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    for module in ("megatron", "torch"):
+        warnings.filterwarnings("ignore", category=UserWarning, module=module)
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _quiet_expected_warnings()
     args, overrides = _parser().parse_known_args(argv)
     handler: Handler = args.handler
     try:
