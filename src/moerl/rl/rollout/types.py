@@ -1,0 +1,98 @@
+"""What a rollout engine is asked for and what it answers, shared by engine, server and client.
+
+Logprob convention (`LogprobMode`):
+
+- ``"policy"`` (default): log pi(token | prefix) at temperature 1, from the
+  unmodified logits, whatever temperature / top-k / top-p were used to *choose*
+  the token. This is what the trainer recomputes with a plain forward pass and
+  log-softmax, so the importance ratio pi_new / pi_old of PPO-style losses and the
+  engine-vs-trainer gap are measured on the same distribution. It is also vLLM's
+  and Megatron's dynamic engine's default ("raw logprobs").
+- ``"sampling"``: log of the distribution the token was drawn from before
+  truncation, log_softmax(logits / temperature) (temperature 0 counts as 1). Use it
+  only when the trainer also divides its logits by the sampling temperature.
+
+In neither mode are top-k / top-p renormalised into the logprob: truncation is a
+choice of the sampler, not of the policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]
+LogprobMode = Literal["policy", "sampling"]
+LOGPROB_MODES: tuple[str, ...] = ("policy", "sampling")
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as asked; the message names the field."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one prompt's completions.
+
+    `temperature == 0` is greedy decoding. `top_k == 0` and `top_p == 1` switch
+    those filters off. The EOS token always stops unless `ignore_eos`. With a
+    `seed`, sample i of the request draws from its own generator seeded by
+    (seed, i), so the same request gives the same tokens.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprob_mode: LogprobMode = "policy"
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.n < 1:
+            raise RequestError(f"n must be >= 1, got {self.n}")
+        if any(not s for s in self.stop):
+            raise RequestError("stop strings must be non-empty")
+        if self.logprob_mode not in LOGPROB_MODES:
+            raise RequestError(f"logprob_mode must be one of {LOGPROB_MODES}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt (token ids) and how to sample its `sampling.n` completions."""
+
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise RequestError("prompt is empty; give at least one token")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion.
+
+    `token_ids` include the token that stopped generation (EOS or a stop token id,
+    or the token that completed a stop string), so the trainer sees it;
+    `logprobs[i]` belongs to `token_ids[i]` (see the module docstring for which
+    distribution). `text` is the decoded completion, cut before a matched stop string.
+    """
+
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: FinishReason
+    weight_version: int
+    text: str = ""
