@@ -9,6 +9,7 @@ cannot express `Literal` or `int | None` unions, which the schemas use.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -50,6 +51,8 @@ def to_dict(obj: Any) -> Any:
     """Dataclass -> plain dict (for logging, hashing and writing next to checkpoints)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
     if isinstance(obj, list | tuple):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):
@@ -87,6 +90,12 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         return {k: _convert(value_type, v, _join(path, str(k))) for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         return from_dict(typing.cast(type, tp), value, path)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            allowed = ", ".join(repr(m.value) for m in tp)
+            raise ConfigError(f"{path}: {value!r} is not one of {allowed}") from None
     return _convert_scalar(tp, value, path)
 
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 from megatron.core.models.gpt import GPTModel
 
+from moerl.launchers.stages import read_endpoints
 from moerl.rl.rollout.client import RolloutClient, discover
 from moerl.rl.rollout.types import SamplingParams
 
@@ -99,7 +100,7 @@ def servers(
 
 @pytest.fixture(scope="module")
 def urls(servers: tuple[Path, list[subprocess.Popen]]) -> list[str]:
-    return [f"http://{(servers[0] / f'rollout-{i}').read_text().strip()}" for i in range(2)]
+    return [f"http://{address}" for address in read_endpoints(servers[0], "rollout")]
 
 
 def _complete(url: str, **body: object) -> httpx.Response:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -69,3 +70,20 @@ def test_appended_unknown_key_fails_the_schema() -> None:
 def test_override_reaches_the_typed_config() -> None:
     arch, _ = load_model_config(["model=kimi-k2", "model.num_layers=5"])
     assert arch.name == "kimi-k2" and arch.num_layers == 5
+
+
+class Mode(enum.Enum):
+    FAST = "fast"
+    SLOW = "slow"
+
+
+@dataclass
+class WithEnum:
+    mode: Mode = Mode.FAST
+
+
+def test_enum_fields_take_their_values() -> None:
+    assert from_dict(WithEnum, {"mode": "slow"}).mode is Mode.SLOW
+    assert to_dict(WithEnum(Mode.SLOW)) == {"mode": "slow"}
+    with pytest.raises(ConfigError, match=r"mode: 'medium' is not one of 'fast', 'slow'"):
+        from_dict(WithEnum, {"mode": "medium"})

@@ -24,6 +24,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from moerl.models.arch import MoEArch
 from moerl.models.mla_local import MLADotProductAttention, TPExactMLASelfAttention
+from moerl.models.ring_attention import ring_attention_spec_patch
 from moerl.parallel.layout import ParallelLayout
 
 Fp8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
@@ -189,6 +190,10 @@ def build_layer_spec(
     if not te and config.multi_latent_attention:
         for layer in block.layer_specs:
             _patch_local_mla(layer)
+    if not te and config.context_parallel_size > 1:
+        # Without TE's attention, context parallelism runs on the project's ring
+        # attention (the MTP layer reuses the last layer's spec, so it follows).
+        ring_attention_spec_patch(block)
     mtp = None
     if config.mtp_num_layers:
         mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=te, vp_stage=vp_stage)

@@ -23,6 +23,10 @@ from megatron.core import dist_checkpointing
 _MARKER = "moerl_weights_complete"
 
 
+class WeightsError(RuntimeError):
+    """A weights checkpoint that exists but cannot be read (truncated, tampered, foreign)."""
+
+
 def _unwrap(chunk: torch.nn.Module) -> Any:
     """The GPTModel inside Megatron's DDP (and Float16Module) wrappers."""
     inner: Any = chunk
@@ -80,6 +84,11 @@ def load_weights(chunks: list[torch.nn.Module], directory: str | Path) -> None:
             "never written or its write did not finish"
         )
     template = _sharded_state(chunks)
-    state = dist_checkpointing.load(template, str(path))
+    try:
+        state = dist_checkpointing.load(template, str(path))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # torch's CheckpointException derives from BaseException
+        raise WeightsError(f"could not read weights from {path}: {err}") from err
     for key, chunk in zip(template, chunks, strict=True):
         _unwrap(chunk).load_state_dict(state[key], strict=True)

@@ -277,7 +277,26 @@ def shim_norm_sequence_parallel() -> None:
     _set(WrappedTorchNorm, "__new__", new)
 
 
+def shim_cp_rotary_split() -> None:
+    """Under context parallelism RoPE keeps this rank's positions with
+    `get_pos_emb_on_this_cp_rank`, which builds its index with `pin_memory=True`
+    and `.cuda()`. Use the same load-balanced split built on CPU."""
+    from megatron.core.models.common.embeddings import (
+        rotary_pos_embedding,
+        yarn_rotary_pos_embedding,
+    )
+
+    from moerl.parallel.context import split_for_cp_rank
+
+    def split(emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+        return split_for_cp_rank(emb, cp_group.rank(), cp_group.size(), dim=seq_dim)
+
+    for module in (rotary_pos_embedding, yarn_rotary_pos_embedding):
+        _set(module, "get_pos_emb_on_this_cp_rank", split)
+
+
 SHIMS: dict[str, Callable[[], None]] = {
+    "cp_rotary_split": shim_cp_rotary_split,
     "embedding_sync": shim_embedding_sync,
     "norm_sequence_parallel": shim_norm_sequence_parallel,
     "cuda_device_strings": shim_cuda_device_strings,

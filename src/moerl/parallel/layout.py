@@ -110,11 +110,8 @@ class ParallelLayout:
         _check_experts(self, arch)
         _check_pipeline(self, arch, backend)
         _check_tensor(self, arch)
-        if self.cp > 1 and not te_available:
-            raise LayoutError(
-                "parallel.cp: context parallelism needs Transformer Engine's attention, which "
-                "is not importable here (GPU only); set parallel.cp=1"
-            )
+        # Context parallelism runs on TE's attention where TE is present and on the
+        # project's ring attention (models/ring_attention.py) elsewhere.
 
 
 def _check_degrees(layout: ParallelLayout) -> None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moerl.data.synthetic import Batch, SyntheticCorpus, step_batches
 from moerl.models.arch import MoEArch
 from moerl.models.build import build_model, te_available
+from moerl.parallel.context import split_batch
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
 from moerl.trainer.optimizer import OptimConfig, build_optimizer
@@ -27,10 +29,15 @@ def batch_iterators(
     """This rank's micro-batches of `step`: one iterator, or one per virtual stage."""
 
     def one() -> Iterator[Batch]:
-        return step_batches(
+        batches = step_batches(
             corpus, step, global_batch=global_batch, micro_batch=micro_batch,
             dp_rank=groups.dp_rank, dp_size=groups.layout.dp,
         )
+        if groups.layout.cp == 1:
+            return batches
+        # Each context-parallel rank keeps its two load-balanced sequence chunks.
+        cp_rank = ps.get_context_parallel_rank()
+        return (split_batch(b, cp_rank, groups.layout.cp) for b in batches)
 
     if groups.layout.vpp:
         return [one() for _ in range(groups.layout.vpp)]
@@ -71,7 +78,7 @@ def train_lm(
                     batch_iterators(corpus, step, groups, global_batch, micro_batch),
                     num_microbatches=num_micro,
                     micro_batch_size=micro_batch,
-                    seq_length=seq_length,
+                    seq_length=seq_length // layout.cp,  # this rank's share
                     scheduler=trainable.scheduler,
                 )
                 losses.append(metrics.loss)

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from moerl.launchers.stages import read_endpoints
 from moerl.rl.rewards.protocol import RewardRequest, RewardResult
 
 
@@ -73,9 +74,8 @@ def backoff_s(attempt: int, base: float, cap: float, rng: random.Random) -> floa
 
 
 def discover(rendezvous_dir: Path) -> tuple[str, ...]:
-    """Reward servers that announced themselves (`reward-*` files holding host:port)."""
-    found = sorted(p.read_text().strip() for p in rendezvous_dir.glob("reward-*") if p.is_file())
-    return tuple(f"http://{hp}" for hp in found if hp)
+    """Reward servers that announced themselves in the rendezvous directory."""
+    return tuple(f"http://{hp}" for hp in read_endpoints(rendezvous_dir, "reward"))
 
 
 class _Unsent(Exception):

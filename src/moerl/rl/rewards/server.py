@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
+from moerl.launchers.stages import ENV_INDEX, ENV_RENDEZVOUS, announce
 from moerl.rl.rewards.protocol import InvalidSpec, RewardFunction, RewardResult
 from moerl.rl.rewards.registry import BUILTIN, RewardLoadError, load_rewards
 from moerl.rl.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
@@ -134,8 +135,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--max-concurrency", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--rendezvous-dir", type=Path, default=None,
-                        help="write host:port here once healthy")  # fmt: skip
+    env_dir = os.environ.get(ENV_RENDEZVOUS)
+    parser.add_argument("--rendezvous-dir", type=Path, default=Path(env_dir) if env_dir else None,
+                        help="announce host:port here once healthy (default: from the "
+                        "launcher's environment)")  # fmt: skip
     parser.add_argument("--reward", action="append", default=[], metavar="NAME=MODULE:ATTR",
                         help="reward functions to serve (default: the built-in ones)")  # fmt: skip
     parser.add_argument("--isolation", choices=["strict", "no-cgroups"], default="strict",
@@ -171,12 +174,8 @@ def _announce(server: Any, host: str, rendezvous_dir: Path | None, done: list[Pa
     httpx.get(f"http://{host if reach == host else '127.0.0.1'}:{port}/health", timeout=10)
     print(f"reward server listening on {reach}:{port}", flush=True)
     if rendezvous_dir is not None:
-        rendezvous_dir.mkdir(parents=True, exist_ok=True)
-        target = rendezvous_dir / f"reward-{socket.gethostname()}-{port}"
-        tmp = target.with_suffix(".tmp")
-        tmp.write_text(f"{reach}:{port}\n")
-        os.replace(tmp, target)  # readers never see a half-written file
-        done.append(target)
+        index = int(os.environ.get(ENV_INDEX, "0"))
+        done.append(announce(rendezvous_dir, "reward", index, reach, port))
 
 
 def main(argv: list[str] | None = None) -> int:

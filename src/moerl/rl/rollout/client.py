@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from moerl.launchers.stages import read_endpoints
 from moerl.rl.rollout.types import RequestError, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -60,13 +61,8 @@ class ClientConfig:
 
 
 def discover(rendezvous_dir: str | Path) -> list[str]:
-    """Server URLs from the `rollout-*` files (host:port) in a rendezvous directory."""
-    urls = []
-    for file in sorted(Path(rendezvous_dir).glob("rollout-*")):
-        address = file.read_text().strip()
-        if address:
-            urls.append(f"http://{address}")
-    return urls
+    """Rollout server URLs announced in a rendezvous directory."""
+    return [f"http://{address}" for address in read_endpoints(rendezvous_dir, "rollout")]
 
 
 class RolloutClient:

@@ -25,6 +25,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from moerl.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from moerl.launchers.stages import ENV_INDEX, ENV_RENDEZVOUS
+from moerl.launchers.stages import announce as announce_endpoint
 from moerl.rl.rollout.batching import BatchScheduler
 from moerl.rl.rollout.engine import EngineBroken, EngineOptions, MegatronEngine, build_engine
 from moerl.rl.rollout.openai_api import CompletionBody, UpdateBody, to_requests, to_response
@@ -125,9 +127,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny", help="model preset name")
     p.add_argument("--weights", default=None, help="weights directory (default: random init)")
     p.add_argument("--seed", type=int, default=0, help="random-init seed without --weights")
-    p.add_argument("--rendezvous-dir", default=None,
-                   help="write rollout-<index> with host:port there once healthy")
-    p.add_argument("--index", type=int, default=0, help="this server's number in the rendezvous")
+    p.add_argument("--rendezvous-dir", default=os.environ.get(ENV_RENDEZVOUS),
+                   help="announce host:port there once healthy (default: from the launcher)")
+    p.add_argument("--index", type=int, default=int(os.environ.get(ENV_INDEX, "0")),
+                   help="this server's number in the rendezvous")
     p.add_argument("--max-batch", type=int, default=32, help="rows (prompt x sample) per batch")
     p.add_argument("--batch-wait-ms", type=float, default=50.0,
                    help="how long a request may wait for others to share its batch")
@@ -143,16 +146,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if args.tokenizer and not args.eos_token:
         p.error("--tokenizer needs --eos-token")
     return args
-
-
-def _publish(directory: str, index: int, host: str, port: int) -> Path:
-    """Atomically write `rollout-<index>` = host:port (readers never see half a file)."""
-    final = Path(directory) / f"rollout-{index}"
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    tmp.write_text(f"{host}:{port}\n")
-    os.replace(tmp, final)
-    return final
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             log.info("rollout server %s on %s:%d (backend %s, weights v%d)", args.model,
                      args.host, port, engine.backend, engine.weight_version)
             if args.rendezvous_dir:
-                published.append(_publish(args.rendezvous_dir, args.index, args.host, port))
+                published.append(announce_endpoint(
+                    args.rendezvous_dir, "rollout", args.index, args.host, port))
 
         task = asyncio.create_task(announce())
         yield
