@@ -1,0 +1,293 @@
+"""The policy on the Megatron model: logprobs of given sequences, the RL update, publishing.
+
+    policy = Policy.build(arch, layout, optim, build_objective("grpo"), groups)
+    metrics = policy.update(samples)        # every rank passes the same global batch
+    path = policy.publish(run_dir / "v1")   # weights for the rollout servers
+
+One update: the samples are split over data-parallel ranks and packed into same-shape
+micro-batches (data.rl_batch); old logprobs (recomputed with the current weights, or the
+rollout's) and reference logprobs come from forward-only passes; the global
+`Denominator` counts loss tokens and sequences over all micro-batches and DP ranks; the
+objective runs per micro-batch inside Megatron's pipeline schedule; one optimizer step.
+
+Loss scaling. The model config runs with `calculate_per_token_loss`: the schedule sums the
+token counts the loss function returns, `finalize_model_grads` all-reduces that sum over
+DP and divides every gradient by it. Each micro-batch here reports its number of loss
+tokens n_k (so the divisor is N = Denominator.num_tokens exactly) and back-propagates
+N * loss_k, where loss_k is the objective's share of the global-batch loss. The division
+then returns the objective's gradient for any aggregation mode. With
+`PolicyConfig.aux_losses` the MoE load-balancing and MTP losses, which Megatron scales
+for that divisor, are added with their per-token normalisation (as in LM training).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moerl.data.rl_batch import RLMicroBatch, RLSample, pack, plan_microbatches
+from moerl.models.arch import MoEArch
+from moerl.models.build import build_model, te_available
+from moerl.models.weights import load_weights, save_weights
+from moerl.parallel.groups import ParallelGroups
+from moerl.parallel.layout import ParallelLayout
+from moerl.rl.forward import ForwardHooks, forward_logprobs, run_schedule
+from moerl.rl.logprobs import vocab_parallel_logprobs
+from moerl.rl.losses import Denominator, PolicyLossInputs, PolicyObjective, global_denominator
+from moerl.rl.policy_metrics import reduce_reports
+from moerl.rl.routing import ExpertLoad, RoutingReplay
+from moerl.trainer.optimizer import OptimConfig, Trainable, build_optimizer
+
+LogprobPair = tuple[torch.Tensor, torch.Tensor]  # (logprobs, entropy), each (B, T)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    token_budget: int = 4096
+    """B * T of a micro-batch; B = token_budget // T (see data.rl_batch)."""
+    recompute_old_logprobs: bool = True
+    """Recompute pi_old with the current weights; False uses the rollout's logprobs."""
+    use_reference: bool = True
+    """Keep a frozen reference model for reference logprobs (KL term and metric)."""
+    norm_len: float | None = None
+    """L of seq-mean-token-sum-norm (Dr.GRPO), e.g. the maximum response length."""
+    replay_routing: bool = True
+    """Replay the engine's expert choices when the samples carry them."""
+    aux_losses: bool = False
+    """Keep the MoE load-balancing and MTP losses in the update's gradient. Off by default:
+    they would also count padding tokens, whose number depends on the packing (so on the
+    layout), and the router's expert bias keeps balancing the load without them."""
+
+
+@dataclass
+class _Prepared:
+    """One optimizer step's micro-batches with everything the loss needs."""
+
+    micro: list[RLMicroBatch]
+    old: list[torch.Tensor]  # (B, T) each
+    ref: list[torch.Tensor] | None
+    denom: Denominator
+
+
+class Policy:
+    """The trained model, its optimizer, an optional frozen reference, and the RL update."""
+
+    def __init__(
+        self,
+        trainable: Trainable,
+        arch: MoEArch,
+        objective: PolicyObjective,
+        groups: ParallelGroups,
+        cfg: PolicyConfig | None = None,
+        reference: list[torch.nn.Module] | None = None,
+    ) -> None:
+        config = trainable.model[0].config
+        if not config.calculate_per_token_loss:
+            raise ValueError("Policy needs a model config with calculate_per_token_loss=True")
+        self.trainable, self.arch, self.objective, self.groups = trainable, arch, objective, groups
+        self.cfg = cfg or PolicyConfig()
+        self.reference = reference
+        chunks: list[torch.nn.Module] = list(trainable.model)
+        self.load = ExpertLoad(chunks, arch)
+        self.replay = RoutingReplay(chunks, arch) if self.cfg.replay_routing else None
+        self.ref_replay = (
+            RoutingReplay(reference, arch) if reference and self.cfg.replay_routing else None
+        )
+
+    @classmethod
+    def build(
+        cls,
+        arch: MoEArch,
+        layout: ParallelLayout,
+        optim: OptimConfig,
+        objective: PolicyObjective,
+        groups: ParallelGroups,
+        cfg: PolicyConfig | None = None,
+        weights: str | Path | None = None,
+        reference_weights: str | Path | None = None,
+    ) -> Policy:
+        """Model (from `weights` if given), optimizer, and the reference model.
+
+        The reference loads `reference_weights`, or else is a copy of the initial policy.
+        """
+        cfg = cfg or PolicyConfig()
+        te = te_available()
+        chunks = build_model(arch, layout, te=te, backend=groups.backend)
+        if weights is not None:
+            load_weights(list(chunks), weights)
+        reference = None
+        if cfg.use_reference:
+            reference = list(build_model(arch, layout, te=te, backend=groups.backend))
+            if reference_weights is not None:
+                load_weights(reference, reference_weights)
+            else:
+                for ref, src in zip(reference, chunks, strict=True):
+                    ref.load_state_dict(src.state_dict())
+            for ref in reference:
+                ref.eval()
+                ref.requires_grad_(False)
+        trainable = build_optimizer(chunks, optim, layout)
+        return cls(trainable, arch, objective, groups, cfg, reference)
+
+    @property
+    def chunks(self) -> list[torch.nn.Module]:
+        return list(self.trainable.model)
+
+    def pack(self, samples: Sequence[RLSample]) -> list[RLMicroBatch]:
+        """This rank's share of `samples` as same-shape micro-batches."""
+        layout = self.groups.layout
+        tp_multiple = layout.tp if layout.resolved_sequence_parallel() else 1
+        plan = plan_microbatches(samples, self.cfg.token_budget, layout.dp, tp_multiple)
+        return pack(samples, plan, self.groups.dp_rank)
+
+    def logprobs(
+        self, micro: Sequence[RLMicroBatch], reference: bool = False
+    ) -> list[LogprobPair]:
+        """Per-token (logprobs, entropy) of the policy (or the reference), on every rank."""
+        if reference and self.reference is None:
+            raise ValueError("this policy was built without a reference model")
+        chunks = self.reference if reference and self.reference else self.chunks
+        replay = self.ref_replay if reference else self.replay
+        return forward_logprobs(
+            chunks, micro, tp_group=self.groups.tp_group, device=self.groups.device,
+            hooks=ForwardHooks(replay=replay),
+        )
+
+    def completion_logprobs(self, samples: Sequence[RLSample]) -> list[torch.Tensor]:
+        """log pi(completion token) per sample, (C_i,) each, in order, on every rank."""
+        micro = self.pack(samples)
+        mine: list[tuple[int, torch.Tensor]] = []
+        for mb, (lp, _) in zip(micro, self.logprobs(micro), strict=True):
+            for row, index in enumerate(mb.sample_index):
+                s = samples[index]
+                start = s.prompt_ids.numel() - 1  # label position of the first completion token
+                mine.append((index, lp[row, start : start + s.completion_ids.numel()].clone()))
+        gathered: list[Any] = [None] * self.groups.layout.dp
+        if self.groups.layout.dp > 1:
+            dist.all_gather_object(gathered, mine, group=self.groups.dp_group)
+        else:
+            gathered = [mine]
+        ordered = dict(pair for part in gathered for pair in part)
+        return [ordered[i] for i in range(len(samples))]
+
+    def update(self, samples: Sequence[RLSample], num_minibatches: int = 1) -> dict[str, float]:
+        """`num_minibatches` optimizer steps over `samples` (the same list on every rank).
+
+        pi_old and the reference logprobs are computed for all of them before the first
+        step. Metrics are averaged over the steps (maxima: the largest).
+        """
+        if len(samples) < num_minibatches:
+            raise ValueError(f"{len(samples)} samples cannot make {num_minibatches} minibatches")
+        size = -(-len(samples) // num_minibatches)
+        parts = [samples[i : i + size] for i in range(0, len(samples), size)]
+        prepared = [self._prepare(part) for part in parts]
+        steps = [self._step(p) for p in prepared]
+        return _average(steps)
+
+    def _prepare(self, samples: Sequence[RLSample]) -> _Prepared:
+        micro = self.pack(samples)
+        if self.cfg.recompute_old_logprobs:
+            old = [lp for lp, _ in self.logprobs(micro)]
+        else:
+            if any(mb.rollout_logprobs is None for mb in micro):
+                raise ValueError("recompute_old_logprobs=False needs rollout logprobs")
+            old = [mb.rollout_logprobs for mb in micro]  # type: ignore[misc]
+        ref = [lp for lp, _ in self.logprobs(micro, reference=True)] if self.reference else None
+        denom = global_denominator(
+            [mb.loss_mask for mb in micro], self.cfg.norm_len, group=self.groups.dp_group
+        )
+        return _Prepared(micro, old, ref, denom)
+
+    def _step(self, p: _Prepared) -> dict[str, float]:
+        reports = self.forward_backward(p)
+        ok, grad_norm, _ = self.trainable.optimizer.step()
+        if ok:
+            self.trainable.scheduler.step(increment=1)
+        metrics = reduce_reports(reports, self.groups.dp_group)
+        metrics.update(self.load.metrics())
+        metrics.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=float(self.trainable.optimizer.param_groups[0]["lr"]),
+            tokens=p.denom.num_tokens,
+            sequences=p.denom.num_seqs,
+            skipped=float(not ok),
+        )
+        return metrics
+
+    def forward_backward(self, p: _Prepared) -> list[dict[str, Any]]:
+        """Zero the grads, run the objective over the micro-batches; grads are then final.
+
+        Returns the per-micro-batch metric reports (last pipeline stage only).
+        """
+        for chunk in self.trainable.model:
+            chunk.zero_grad_buffer()
+        self.trainable.optimizer.zero_grad()
+        self.load.reset()
+        device, tp_group = self.groups.device, self.groups.tp_group
+        entropy_grad = getattr(getattr(self.objective, "cfg", None), "entropy_coef", 0.0) > 0
+
+        def on_logits(
+            k: int, mb: RLMicroBatch, logits: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+            lp, ent = vocab_parallel_logprobs(logits, mb.labels.to(device), tp_group)
+            assert ent is not None
+            mask = mb.loss_mask.to(device)
+            inputs = PolicyLossInputs(
+                logprobs=lp,
+                old_logprobs=p.old[k].to(device),
+                advantages=mb.advantages.to(device),
+                loss_mask=mask,
+                rollout_logprobs=_to(mb.rollout_logprobs, device),
+                ref_logprobs=_to(p.ref[k], device) if p.ref is not None else None,
+                entropy=ent if entropy_grad else ent.detach(),
+            )
+            loss, metrics = self.objective(inputs, p.denom)
+            # See the module docstring: Megatron divides by the summed counts, N.
+            count = mask.sum().to(torch.int).cpu()
+            report = {name: v.detach().float() for name, v in metrics.items()}
+            return loss * p.denom.num_tokens, count, report
+
+        hooks = ForwardHooks(replay=self.replay, load=self.load)
+        with _aux_losses(self.trainable.model[0].config, self.cfg.aux_losses):
+            return run_schedule(
+                self.chunks, p.micro, on_logits, forward_only=False, device=device, hooks=hooks
+            )
+
+    def publish(self, directory: str | Path) -> Path:
+        """Write the current weights (all ranks together) for the rollout servers."""
+        return save_weights(self.chunks, directory)
+
+
+@contextmanager
+def _aux_losses(config: Any, keep: bool) -> Iterator[None]:
+    """Zero the load-balancing and MTP loss coefficients for the duration (both are read
+    from the shared model config at every forward)."""
+    saved = (config.moe_aux_loss_coeff, config.mtp_loss_scaling_factor)
+    if not keep:
+        config.moe_aux_loss_coeff, config.mtp_loss_scaling_factor = 0.0, 0.0
+    try:
+        yield
+    finally:
+        config.moe_aux_loss_coeff, config.mtp_loss_scaling_factor = saved
+
+
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
+
+
+def _average(steps: list[dict[str, float]]) -> dict[str, float]:
+    if len(steps) == 1:
+        return steps[0]
+    out: dict[str, float] = {}
+    for key in steps[0]:
+        values = [s[key] for s in steps if key in s]
+        out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+    out["optimizer_steps"] = float(len(steps))
+    return out
+

@@ -1,0 +1,199 @@
+"""The policy on the tiny Megatron MoE, one process: logprobs, gradient, learning, replay."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from megatron.core.transformer.moe import moe_logging
+
+from moerl.data.rl_batch import RLSample
+from moerl.models.arch import TINY, MoEArch
+from moerl.models.weights import is_complete, load_weights
+from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
+from moerl.parallel.layout import ParallelLayout
+from moerl.rl.losses import GRPOConfig, PolicyLossInputs, build_objective
+from moerl.rl.losses.entropy import entropy_from_logits
+from moerl.rl.policy import Policy, PolicyConfig, _aux_losses
+from moerl.rl.routing import RoutingReplay
+from moerl.trainer.optimizer import OptimConfig
+
+
+@pytest.fixture(scope="module")
+def groups() -> Iterator[ParallelGroups]:
+    g = init_parallel(ParallelLayout(), seed=3)
+    yield g
+    destroy_parallel()
+
+
+def make_samples(n: int, vocab: int, seed: int = 0, advantages: list[float] | None = None
+                 ) -> list[RLSample]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p, c = 3 + i % 3, 4 + i % 4
+        adv = advantages[i] if advantages else float(torch.randn((), generator=gen))
+        out.append(RLSample(
+            prompt_ids=torch.randint(vocab, (p,), generator=gen),
+            completion_ids=torch.randint(vocab, (c,), generator=gen),
+            advantage=adv,
+            rollout_logprobs=-torch.rand(c, generator=gen) * 6,
+            group_id=i // 2,
+        ))
+    return out
+
+
+def build(groups: ParallelGroups, arch: MoEArch = TINY, lr: float = 1e-3,
+          objective: str = "grpo", obj_cfg: GRPOConfig | None = None,
+          cfg: PolicyConfig | None = None) -> Policy:
+    moe_logging.destroy_moe_metrics_tracker()
+    torch.manual_seed(11)
+    return Policy.build(arch, groups.layout, OptimConfig(lr=lr, min_lr=0.0, clip_grad=0.0),
+                        build_objective(objective, obj_cfg), groups,
+                        cfg or PolicyConfig(token_budget=32))
+
+
+def _unwrapped(policy: Policy) -> torch.nn.Module:
+    return policy.trainable.model[0].module
+
+
+def test_logprobs_match_full_forward(groups: ParallelGroups) -> None:
+    policy = build(groups)
+    samples = make_samples(5, TINY.vocab_size)
+    micro = policy.pack(samples)
+    assert len(micro) > 1  # several micro-batches in one schedule call
+    model = _unwrapped(policy)
+    model.eval()
+    for mb, (lp, ent) in zip(micro, policy.logprobs(micro), strict=True):
+        with torch.no_grad():
+            logits = model(mb.tokens, mb.position_ids, None)  # (B, T, V), one rank: full V
+        want = torch.log_softmax(logits.float(), -1).gather(-1, mb.labels[..., None])[..., 0]
+        assert (lp - want).abs().max() < 1e-5
+        assert (ent - entropy_from_logits(logits)).abs().max() < 1e-5
+    per_sample = policy.completion_logprobs(samples)
+    assert [t.numel() for t in per_sample] == [s.completion_ids.numel() for s in samples]
+
+
+def test_gradient_equals_direct_autograd(groups: ParallelGroups) -> None:
+    # The update's gradient is the objective's alone (aux_losses=False), MTP head included.
+    arch = TINY
+    obj_cfg = GRPOConfig(kl_coef=0.1, entropy_coef=0.01, eps_low=0.2, eps_high=0.2)
+    policy = build(groups, arch, obj_cfg=obj_cfg,
+                   cfg=PolicyConfig(token_budget=24, recompute_old_logprobs=False))
+    samples = make_samples(6, arch.vocab_size, seed=1)
+    # Old logprobs = current ones + noise, so some ratios leave the clip range.
+    current = policy.completion_logprobs(samples)
+    gen = torch.Generator().manual_seed(5)
+    samples = [dataclasses.replace(
+        s, rollout_logprobs=lp + 0.4 * torch.randn(lp.shape, generator=gen))
+        for s, lp in zip(samples, current, strict=True)]
+    prepared = policy._prepare(samples)
+    assert len(prepared.micro) >= 2
+    model = _unwrapped(policy)
+    # finalize_model_grads moves the routers' expert bias; route the direct pass as before.
+    biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
+    reports = policy.forward_backward(prepared)
+    assert sum(float(r["clip_frac"]) for r in reports) > 0  # the clip branch is exercised
+    params = [p for p in _unwrapped(policy).parameters() if p.requires_grad]
+    got = [p.main_grad.clone() for p in params]  # type: ignore[attr-defined]
+    for name, buf in model.named_buffers():
+        if name in biases:
+            buf.copy_(biases[name])
+
+    total = torch.zeros(())
+    for k, mb in enumerate(prepared.micro):
+        with _aux_losses(model.config, keep=False):
+            logits = model(mb.tokens, mb.position_ids, None).float()  # (B, T, V)
+        log_p = torch.log_softmax(logits, -1)
+        lp = log_p.gather(-1, mb.labels[..., None])[..., 0]
+        loss, _ = policy.objective(PolicyLossInputs(
+            logprobs=lp, old_logprobs=prepared.old[k], advantages=mb.advantages,
+            loss_mask=mb.loss_mask, rollout_logprobs=mb.rollout_logprobs,
+            ref_logprobs=prepared.ref[k] if prepared.ref else None,
+            entropy=entropy_from_logits(logits)), prepared.denom)
+        total = total + loss
+    want = torch.autograd.grad(total, params, allow_unused=True)
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        w = torch.zeros_like(g) if w is None else w
+        worst = max(worst, float((g - w).abs().max() / (w.abs().max() + 1e-12)))
+    assert worst < 1e-4, worst
+    assert sum(float(r["loss"]) for r in reports) == pytest.approx(float(total), abs=1e-6)
+
+
+def test_update_learns_from_rewards(groups: ParallelGroups, tmp_path: Path) -> None:
+    policy = build(groups, lr=3e-3, obj_cfg=GRPOConfig(kl_coef=0.0))
+    prompt = torch.tensor([7, 8, 9])
+    gen = torch.Generator().manual_seed(2)
+    samples = [RLSample(prompt, torch.randint(TINY.vocab_size, (6,), generator=gen),
+                        advantage=a, reward=float(a > 0), group_id=0)
+               for a in (1.0, 1.0, -1.0, -1.0)]
+
+    def total_logprob() -> list[float]:
+        return [float(t.sum()) for t in policy.completion_logprobs(samples)]
+
+    before = total_logprob()
+    history = [policy.update(samples) for _ in range(3)]
+    after = total_logprob()
+    assert after[0] > before[0] and after[1] > before[1]
+    assert after[2] < before[2] and after[3] < before[3]
+    kls = [m["kl_ref"] for m in history]
+    assert abs(kls[0]) < 1e-6 < kls[1] < kls[2]
+    for m in history:
+        assert {"loss", "clip_frac", "entropy", "grad_norm", "tokens"} <= set(m)
+        assert m["tokens"] == 24
+        assert any(k.startswith("moe/layer") for k in m)
+    # Expert load: every real input token routed to topk experts in each MoE layer.
+    counts = policy.load.totals()
+    real_tokens = sum(len(s) - 1 for s in samples)
+    for layer in range(TINY.first_k_dense, TINY.num_layers):
+        assert counts[layer].sum() == real_tokens * TINY.moe_router_topk
+
+    path = policy.publish(tmp_path / "v1")
+    assert is_complete(path)
+    assert policy.reference is not None
+    load_weights(policy.reference, path)
+    ref = [float(t.sum()) for t in _ref_logprobs(policy, samples)]
+    assert ref == pytest.approx(after, abs=1e-5)
+
+
+def _ref_logprobs(policy: Policy, samples: list[RLSample]) -> list[torch.Tensor]:
+    micro = policy.pack(samples)
+    out = []
+    for mb, (lp, _) in zip(micro, policy.logprobs(micro, reference=True), strict=True):
+        for row, i in enumerate(mb.sample_index):
+            p, c = samples[i].prompt_ids.numel(), samples[i].completion_ids.numel()
+            out.append(lp[row, p - 1 : p - 1 + c])
+    return out
+
+
+def test_routing_replay(groups: ParallelGroups) -> None:
+    policy = build(groups)
+    samples = make_samples(3, TINY.vocab_size, seed=4)
+    micro = policy.pack(samples)
+    assert len(micro) == 1
+    replay = RoutingReplay(policy.chunks, TINY)
+    replay.record()
+    (free, _), = policy.logprobs(micro)
+    recorded = replay.recorded()  # layer -> (T * B, k), s-major
+    replay.disarm()
+    b, t = micro[0].shape
+    per_layer = [recorded[n].reshape(t, b, -1).transpose(0, 1) for n in sorted(recorded)]
+
+    def with_routing(shift: int) -> list[RLSample]:
+        out = []
+        for row, i in enumerate(micro[0].sample_index):
+            n = len(samples[i]) - 1
+            routed = torch.stack([(r[row, :n] + shift) % TINY.num_experts for r in per_layer])
+            routed = torch.cat([routed, routed[:, -1:]], dim=1)  # (layers, P + C, k)
+            out.append(dataclasses.replace(samples[i], routed_experts=routed))
+        return out
+
+    (same, _), = policy.logprobs(policy.pack(with_routing(0)))
+    (other, _), = policy.logprobs(policy.pack(with_routing(1)))
+    real = micro[0].valid
+    assert (same - free)[real].abs().max() < 1e-6
+    assert (other - free)[real].abs().max() > 1e-3
