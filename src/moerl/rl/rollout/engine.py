@@ -16,7 +16,7 @@ import logging
 import secrets
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -24,8 +24,11 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from moerl.data.tokenizer import Tokenizer
+from moerl.models.arch import MoEArch
 from moerl.rl.rollout.dynamic_decode import DynamicDecoder, dynamic_missing
 from moerl.rl.rollout.sampling import RowSampling
+from moerl.rl.rollout.speculative.config import SpeculativeConfig
+from moerl.rl.rollout.speculative_decode import SpeculativeDecoder
 from moerl.rl.rollout.static_decode import DecodeRow, StaticDecoder
 from moerl.rl.rollout.types import GenerationRequest, LogprobMode, RequestError, Sample
 
@@ -60,6 +63,8 @@ class EngineOptions:
     max_batch: int = 32  # rows (prompt x sample) per forward
     backend: Backend = "auto"
     logprob_mode: LogprobMode = "policy"  # default for requests that do not say
+    # Drafts verified by the policy (static backend); samples keep the policy's distribution.
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 class MegatronEngine:
@@ -76,10 +81,20 @@ class MegatronEngine:
         self._weights_path = Path(weights_path) if weights_path is not None else None
         self._lock = threading.Lock()
         self.broken: str | None = None
-        self.backend = self._resolve_backend(self.options.backend)
+        backend = self.options.backend
+        if backend == "auto" and self.options.speculative.enabled:
+            backend = "static"  # Megatron's dynamic engine has its own (MTP) speculation
+        self.backend = self._resolve_backend(backend)
         eos = tokenizer.eos_id
-        if self.backend == "dynamic":
-            self._decoder: StaticDecoder | DynamicDecoder = DynamicDecoder(
+        speculative = self.options.speculative
+        if speculative.enabled and self.backend == "dynamic":
+            raise ValueError("speculative decoding runs on the static backend; set "
+                             "backend='static' or speculative.mode='none'")
+        self._decoder: StaticDecoder | DynamicDecoder | SpeculativeDecoder
+        if speculative.enabled:
+            self._decoder = SpeculativeDecoder(model, eos, tokenizer.decode, speculative)
+        elif self.backend == "dynamic":
+            self._decoder = DynamicDecoder(
                 model, eos, tokenizer.decode, tokenizer.encode, self.options.max_batch,
                 max_sequence_length, self.options.logprob_mode)
         else:
@@ -145,6 +160,7 @@ class MegatronEngine:
             finish_reason=row.finish_reason,
             weight_version=version,
             text=row.text,
+            speculation=row.speculation,
         )
 
     def load_weights(self, path: str | Path, version: int) -> None:
@@ -187,7 +203,8 @@ class MegatronEngine:
             raise EngineBroken(self.broken) from exc
 
 
-def build_engine(preset: str, tokenizer: Tokenizer, *, weights: str | Path | None = None,
+def build_engine(preset: str | MoEArch, tokenizer: Tokenizer, *,
+                 weights: str | Path | None = None,
                  seed: int = 0, options: EngineOptions | None = None) -> MegatronEngine:
     """A one-process engine for model `preset`: weights from `weights` (version 0),
     or a random init from `seed`."""
@@ -197,10 +214,10 @@ def build_engine(preset: str, tokenizer: Tokenizer, *, weights: str | Path | Non
     from moerl.parallel.groups import init_parallel
     from moerl.parallel.layout import ParallelLayout
 
-    arch = get_preset(preset)
+    arch = get_preset(preset) if isinstance(preset, str) else preset
     if tokenizer.vocab_size > arch.vocab_size:
         raise ValueError(
-            f"tokenizer vocabulary ({tokenizer.vocab_size}) is larger than model {preset!r}'s "
+            f"tokenizer vocabulary ({tokenizer.vocab_size}) is larger than model {arch.name!r}'s "
             f"({arch.vocab_size})"
         )
     layout = ParallelLayout()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import time
@@ -27,10 +28,12 @@ from fastapi.responses import JSONResponse
 from moerl.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from moerl.launchers.stages import ENV_INDEX, ENV_RENDEZVOUS
 from moerl.launchers.stages import announce as announce_endpoint
+from moerl.models.arch import MoEArch
 from moerl.rl.rollout.batching import BatchScheduler
 from moerl.rl.rollout.engine import EngineBroken, EngineOptions, MegatronEngine, build_engine
 from moerl.rl.rollout.openai_api import CompletionBody, UpdateBody, to_requests, to_response
 from moerl.rl.rollout.types import LOGPROB_MODES, RequestError
+from moerl.typed_config import from_dict
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +128,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--model", default="tiny", help="model preset name")
+    p.add_argument("--arch-file", default=None,
+                   help="JSON of the full architecture (the trainer's, overrides included); "
+                        "takes precedence over --model")
     p.add_argument("--weights", default=None, help="weights directory (default: random init)")
     p.add_argument("--seed", type=int, default=0, help="random-init seed without --weights")
     p.add_argument("--rendezvous-dir", default=os.environ.get(ENV_RENDEZVOUS),
@@ -148,6 +154,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _arch(args: argparse.Namespace) -> str | MoEArch:
+    if args.arch_file is None:
+        return str(args.model)
+    data = json.loads(Path(args.arch_file).read_text())
+    return from_dict(MoEArch, data, "model")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -156,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         else ByteTokenizer()
     )
     options = EngineOptions(args.max_batch, args.backend, args.logprob_mode)
-    engine = build_engine(args.model, tokenizer, weights=args.weights, seed=args.seed,
+    engine = build_engine(_arch(args), tokenizer, weights=args.weights, seed=args.seed,
                           options=options)
     scheduler = BatchScheduler(engine, args.max_batch, args.batch_wait_ms / 1000)
     state = ServerState(engine, scheduler, args.model, args.update_wait)

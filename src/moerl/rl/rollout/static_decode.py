@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
@@ -28,7 +29,7 @@ from megatron.core.inference.utils import InferenceMode
 from megatron.core.models.gpt import GPTModel
 
 from moerl.rl.rollout.sampling import RowSampling, choose_tokens
-from moerl.rl.rollout.types import FinishReason
+from moerl.rl.rollout.types import FinishReason, SpeculationStats
 
 Detokenize = Callable[[list[int]], str]
 
@@ -43,6 +44,7 @@ class DecodeRow:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     text: str = ""
+    speculation: SpeculationStats | None = None  # filled by the speculative decoder
 
     @property
     def max_tokens(self) -> int:
@@ -84,14 +86,7 @@ class StaticDecoder:
     def _decode(self, rows: list[DecodeRow]) -> None:
         batch = len(rows)
         lengths = [len(r.prompt) for r in rows]
-        total = max(n + r.max_tokens for n, r in zip(lengths, rows, strict=True))
-        tokens = torch.zeros(batch, total, dtype=torch.long, device=self.device)  # [B, T]
-        for i, row in enumerate(rows):
-            tokens[i, : lengths[i]] = torch.tensor(row.prompt, dtype=torch.long)
-        context = StaticInferenceContext(batch, total)
-        wrapper = GPTInferenceWrapper(self.model, context)
-        wrapper.prep_model_for_inference()  # eval mode, context reset to prefill
-        full = wrapper.prep_inference_input(tokens)  # mask [1, 1, T, T] or None; positions [B, T]
+        tokens, context, wrapper, full = open_batch(self.model, rows, self.device)
         mask, positions = full["attention_mask"], full["position_ids"]
 
         live = list(range(batch))  # row index held by each KV-cache slot, unfinished rows first
@@ -113,7 +108,7 @@ class StaticDecoder:
             if not unfinished:
                 return
             if fed - len(unfinished) >= max(1, fed // 4):
-                self._compact(context, live, unfinished)
+                compact_cache(context, live, unfinished)
                 fed = len(unfinished)
 
     def _advance(
@@ -144,11 +139,29 @@ class StaticDecoder:
             row.logprobs.append(logprob)
             check_stop(row, self.eos_id, self.detokenize)
 
-    @staticmethod
-    def _compact(context: StaticInferenceContext, live: list[int], unfinished: list[int]) -> None:
-        """Reorder the KV cache so the unfinished rows take its first slots."""
-        keep = set(unfinished)
-        order = [s for s, r in enumerate(live) if r in keep]
-        order += [s for s, r in enumerate(live) if r not in keep]
-        context.swap_key_value_dict(torch.tensor(order))
-        live[:] = [live[s] for s in order]
+
+def open_batch(
+    model: GPTModel, rows: list[DecodeRow], device: torch.device, slack: int = 0
+) -> tuple[torch.Tensor, StaticInferenceContext, GPTInferenceWrapper, dict[str, Any]]:
+    """The token buffer [B, T] (prompts written in), a fresh KV cache for the batch,
+    its wrapper (model in eval mode) and the full-length inputs (mask [1, 1, T, T] or
+    None, positions [B, T]). `slack` extra positions let a step look past the longest
+    completion (speculative decoding feeds drafts there)."""
+    lengths = [len(r.prompt) for r in rows]
+    total = max(n + r.max_tokens for n, r in zip(lengths, rows, strict=True)) + slack
+    tokens = torch.zeros(len(rows), total, dtype=torch.long, device=device)  # [B, T]
+    for i, row in enumerate(rows):
+        tokens[i, : lengths[i]] = torch.tensor(row.prompt, dtype=torch.long)
+    context = StaticInferenceContext(len(rows), total)
+    wrapper = GPTInferenceWrapper(model, context)
+    wrapper.prep_model_for_inference()  # eval mode, context reset to prefill
+    return tokens, context, wrapper, wrapper.prep_inference_input(tokens)
+
+
+def compact_cache(context: StaticInferenceContext, live: list[int], unfinished: list[int]) -> None:
+    """Reorder the KV cache so the unfinished rows take its first slots."""
+    keep = set(unfinished)
+    order = [s for s, r in enumerate(live) if r in keep]
+    order += [s for s, r in enumerate(live) if r not in keep]
+    context.swap_key_value_dict(torch.tensor(order))
+    live[:] = [live[s] for s in order]

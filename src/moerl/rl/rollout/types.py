@@ -81,6 +81,30 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class SpeculationStats:
+    """How speculative decoding went for one sample (see `rl.rollout.speculative`).
+
+    `drafted` draft tokens were scored by the policy and `accepted` of them kept;
+    `steps` policy forward steps emitted this sample's `tokens` generated tokens
+    (each step emits its accepted drafts plus one token drawn by the policy).
+    """
+
+    drafted: int
+    accepted: int
+    steps: int
+    tokens: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per policy forward step (1.0 = no gain from speculation)."""
+        return self.tokens / self.steps if self.steps else 0.0
+
+
+@dataclass(frozen=True)
 class Sample:
     """One completion.
 
@@ -96,3 +120,4 @@ class Sample:
     finish_reason: FinishReason
     weight_version: int
     text: str = ""
+    speculation: SpeculationStats | None = None  # None when decoded without speculation
