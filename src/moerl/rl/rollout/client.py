@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from moerl.launchers.stages import read_endpoints
-from moerl.rl.rollout.types import RequestError, Sample, SamplingParams
+from moerl.rl.rollout.types import RequestError, Sample, SamplingParams, SpeculationStats
 
 log = logging.getLogger(__name__)
 
@@ -226,5 +226,7 @@ def parse_samples(reply: dict[str, Any]) -> list[Sample]:
             finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
             weight_version=version,
             text=choice.get("text", ""),
+            speculation=SpeculationStats(**choice["speculation"]) if choice.get("speculation")
+            else None,
         ))
     return samples

@@ -9,6 +9,7 @@ sampled as a one-prompt request with seed `seed + j` would be.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, Literal
@@ -120,6 +121,7 @@ def _choice(index: int, sample: Sample, want_logprobs: bool,
         "prompt_token_ids": list(sample.prompt_token_ids),
         "token_ids": list(sample.token_ids),
         "token_logprobs": list(sample.logprobs),
+        "speculation": dataclasses.asdict(sample.speculation) if sample.speculation else None,
     }
 
 

@@ -32,6 +32,7 @@ from moerl.models.arch import MoEArch
 from moerl.rl.rollout.batching import BatchScheduler
 from moerl.rl.rollout.engine import EngineBroken, EngineOptions, MegatronEngine, build_engine
 from moerl.rl.rollout.openai_api import CompletionBody, UpdateBody, to_requests, to_response
+from moerl.rl.rollout.speculative.config import SPECULATIVE_MODES, SpeculativeConfig
 from moerl.rl.rollout.types import LOGPROB_MODES, RequestError
 from moerl.typed_config import from_dict
 
@@ -141,6 +142,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-wait-ms", type=float, default=50.0,
                    help="how long a request may wait for others to share its batch")
     p.add_argument("--backend", choices=("auto", "static", "dynamic"), default="auto")
+    p.add_argument("--speculative", choices=SPECULATIVE_MODES, default="none",
+                   help="draft tokens with n-gram lookup or the MTP head; samples keep the "
+                        "policy's distribution")
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--adaptive-drafts", action="store_true",
+                   help="grow/shrink the draft length with each sample's acceptance")
     p.add_argument("--logprob-mode", choices=LOGPROB_MODES, default="policy")
     p.add_argument("--update-wait", type=float, default=30.0,
                    help="seconds a request may wait behind a weight update before a 503")
@@ -168,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         HFTokenizer(args.tokenizer, eos_token=args.eos_token) if args.tokenizer
         else ByteTokenizer()
     )
-    options = EngineOptions(args.max_batch, args.backend, args.logprob_mode)
+    speculative = SpeculativeConfig(mode=args.speculative, num_draft_tokens=args.num_draft_tokens,
+                                    adaptive=args.adaptive_drafts)
+    options = EngineOptions(args.max_batch, args.backend, args.logprob_mode, speculative)
     engine = build_engine(_arch(args), tokenizer, weights=args.weights, seed=args.seed,
                           options=options)
     scheduler = BatchScheduler(engine, args.max_batch, args.batch_wait_ms / 1000)

@@ -1,0 +1,157 @@
+"""Prompt datasets for RL: typed records, JSONL loading with row validation, and a
+resumable stream.
+
+A record is a prompt plus what the reward server needs to grade a completion of
+it (the reward function's name and its spec: tests, expected answer, ...), and
+optionally a reference completion for SFT. Malformed rows are counted and
+reported, or fail the load with the row number when `strict`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from moerl.data.code_tasks import make_tasks, noisy_demonstration
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    uid: str
+    prompt: str
+    reward: str  # name of the reward function on the reward server
+    spec: dict[str, Any] = field(default_factory=dict)
+    reference: str | None = None
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be used; the message names the row and the field."""
+
+
+@dataclass
+class DataConfig:
+    """The `data` config group."""
+
+    source: Literal["code_tasks", "jsonl"] = "code_tasks"
+    path: str | None = None  # jsonl: one {"id", "prompt", "reward", "spec", "reference"?} a line
+    eval_path: str | None = None
+    train_size: int = 2000  # code_tasks: generated training prompts
+    eval_size: int = 64  # code_tasks: held-out prompts (a different seed)
+    seed: int = 0
+    max_prompt_tokens: int = 256  # longer prompts are dropped (counted) or fail when strict
+    strict: bool = False
+    sft_correct_fraction: float = 0.5  # code_tasks: share of correct SFT demonstrations
+
+    def __post_init__(self) -> None:
+        if self.source == "jsonl" and not self.path:
+            raise ValueError("data.path: source=jsonl needs a path to a .jsonl file")
+        if not 0.0 <= self.sft_correct_fraction <= 1.0:
+            raise ValueError("data.sft_correct_fraction: must be within [0, 1]")
+
+
+@dataclass
+class LoadReport:
+    loaded: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def drop(self, why: str) -> None:
+        self.dropped[why] = self.dropped.get(why, 0) + 1
+
+
+def _code_records(count: int, seed: int, prefix: str, sft_fraction: float) -> list[PromptRecord]:
+    rng = random.Random(seed + 7919)
+    return [
+        PromptRecord(
+            uid=t.uid,
+            prompt=t.prompt,
+            reward="humaneval",
+            spec={"prompt": t.prompt, "test": t.tests, "entry_point": t.entry_point},
+            reference=noisy_demonstration(t, rng, sft_fraction),
+        )
+        for t in make_tasks(count, seed, prefix)
+    ]
+
+
+def parse_row(line: str, row: int) -> PromptRecord:
+    """One JSONL row as a record; `DatasetError` naming the row and field otherwise."""
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DatasetError(f"row {row}: not valid JSON ({err.msg})") from err
+    if not isinstance(data, dict):
+        raise DatasetError(f"row {row}: expected a JSON object")
+    for key, kind in (("prompt", str), ("reward", str), ("spec", dict)):
+        if not isinstance(data.get(key), kind):
+            raise DatasetError(f"row {row}: field {key!r} missing or not a {kind.__name__}")
+    reference = data.get("reference")
+    if reference is not None and not isinstance(reference, str):
+        raise DatasetError(f"row {row}: field 'reference' must be a string")
+    uid = str(data.get("id", f"row-{row}"))
+    return PromptRecord(uid, data["prompt"], data["reward"], data["spec"], reference)
+
+
+def load_jsonl(path: str | Path, max_chars: int, strict: bool) -> tuple[list[PromptRecord],
+                                                                          LoadReport]:
+    report = LoadReport()
+    records = []
+    for row, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = parse_row(line, row)
+            if len(record.prompt) > max_chars:
+                raise DatasetError(f"row {row}: prompt longer than the limit ({max_chars})")
+        except DatasetError as err:
+            if strict:
+                raise
+            report.drop(str(err).split(": ", 1)[1])
+            continue
+        records.append(record)
+    report.loaded = len(records)
+    if not records:
+        raise DatasetError(f"{path}: no usable rows ({report.dropped})")
+    return records, report
+
+
+def load_prompts(cfg: DataConfig) -> tuple[list[PromptRecord], list[PromptRecord], LoadReport]:
+    """(train, eval, report) records for the config."""
+    if cfg.source == "code_tasks":
+        train = _code_records(cfg.train_size, cfg.seed, "train", cfg.sft_correct_fraction)
+        held_out = _code_records(cfg.eval_size, cfg.seed + 1_000_003, "eval", 1.0)
+        return train, held_out, LoadReport(loaded=len(train))
+    assert cfg.path is not None
+    # Bytes are a safe upper bound of tokens for any tokenizer the project ships.
+    limit = cfg.max_prompt_tokens * 4
+    train, report = load_jsonl(cfg.path, limit, cfg.strict)
+    held_out = load_jsonl(cfg.eval_path, limit, cfg.strict)[0] if cfg.eval_path else []
+    return train, held_out, report
+
+
+@dataclass
+class PromptStream:
+    """Epochs over the records in a seeded order; `position` is all a resume needs."""
+
+    records: Sequence[PromptRecord]
+    seed: int = 0
+    position: int = 0
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.records)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def take(self, count: int) -> list[PromptRecord]:
+        out = []
+        for _ in range(count):
+            epoch, index = divmod(self.position, len(self.records))
+            out.append(self.records[self._order(epoch)[index]])
+            self.position += 1
+        return out
+
+    def __iter__(self) -> Iterator[PromptRecord]:
+        while True:
+            yield from self.take(1)

@@ -1,0 +1,76 @@
+"""Typed configs of the RL loop (`rl` and `sft` groups)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from moerl.rl.rollout.types import SamplingParams
+
+AdvantageKind = Literal["grpo", "grpo_no_std", "rloo"]
+
+
+@dataclass
+class SamplingConfig:
+    max_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] = field(default_factory=list)
+
+    def params(self, n: int, seed: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, n=n, stop=tuple(self.stop), seed=seed,
+        )
+
+
+@dataclass
+class RLConfig:
+    """The `rl` group: what one RL step does, and how many."""
+
+    steps: int = 30
+    prompts_per_step: int = 16
+    group_size: int = 8
+    objective: str = "grpo"  # ppo_clip, grpo, dapo, gspo, cispo, dr_grpo
+    objective_args: dict[str, Any] = field(default_factory=dict)  # that objective's config
+    advantage: AdvantageKind = "grpo"
+    # DAPO dynamic sampling: keep only groups whose rewards differ, generating up to
+    # this many rounds of prompts to fill the step.
+    dynamic_sampling: bool = True
+    max_generation_rounds: int = 3
+    # Soft overlong penalty: the last `overlong_buffer` tokens before max_tokens cost
+    # up to `overlong_penalty` reward (0 disables).
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = 1  # async: samples more weight versions old than this are dropped
+    updates_per_step: int = 1  # optimizer steps (minibatches) per RL step
+    token_budget: int = 2048  # tokens per micro-batch of the policy update
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    eval_interval: int = 10  # steps between held-out evaluations (0: only first and last)
+    eval_temperature: float = 0.0  # greedy
+    keep_weight_versions: int = 2  # published weight dirs kept on disk
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError("rl.group_size: group advantages need at least 2 samples a prompt")
+        if min(self.steps, self.prompts_per_step, self.max_generation_rounds) < 1:
+            raise ValueError("rl.steps, rl.prompts_per_step, rl.max_generation_rounds: >= 1")
+        if self.max_staleness < 0:
+            raise ValueError("rl.max_staleness: must be >= 0")
+        if self.overlong_buffer >= self.sampling.max_tokens and self.overlong_buffer:
+            raise ValueError("rl.overlong_buffer: must be smaller than rl.sampling.max_tokens")
+
+
+@dataclass
+class SFTConfig:
+    """The `sft` group: supervised warm-up on the prompts' reference completions."""
+
+    steps: int = 0  # 0: no SFT
+    global_batch: int = 32
+    micro_batch: int = 8
+    seq_length: int = 96
+    lr: float = 3e-3
+    warmup_steps: int = 10

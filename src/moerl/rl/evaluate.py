@@ -1,0 +1,35 @@
+"""Held-out evaluation through the same rollout and reward servers as training."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+
+from moerl.data.prompts import PromptRecord
+from moerl.rl.config import SamplingConfig
+from moerl.rl.rewards.client import RewardClient
+from moerl.rl.rollout.client import RolloutClient
+from moerl.rl.scoring import score_groups
+
+
+def evaluate(
+    engines: RolloutClient,
+    judges: RewardClient,
+    records: Sequence[PromptRecord],
+    sampling: SamplingConfig,
+    encode: Callable[[str], list[int]],
+    step: int,
+) -> dict[str, float]:
+    """Pass rate (all tests pass) and mean reward, one sample per held-out prompt."""
+    if not records:
+        return {}
+    prompts = [encode(r.prompt) for r in records]
+    groups = engines.generate(prompts, n=1, sampling=sampling.params(n=1, seed=step))
+    scored, _ = score_groups(judges, records, groups, step=-1 - step)
+    rewards = [res.reward for g in scored for res in g.results if res.reward is not None]
+    return {
+        "eval/pass_rate": statistics.fmean(r == 1.0 for r in rewards) if rewards else 0.0,
+        "eval/mean_reward": statistics.fmean(rewards) if rewards else 0.0,
+        "eval/infra_errors": float(sum(
+            res.error_kind is not None for g in scored for res in g.results)),
+    }

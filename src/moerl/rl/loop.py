@@ -1,0 +1,188 @@
+"""The RL algorithm, top to bottom.
+
+    prompts -> rollout servers (n samples each) -> reward servers -> dynamic sampling
+    -> advantages -> policy update -> weight sync -> metrics -> checkpoint / evaluation
+
+Every trainer rank runs `train`; only the controller rank (global rank 0) talks to
+the servers, and the batch it collects is broadcast to the others. In async mode
+the collection of step n+1 runs in a background thread while step n trains; a
+sample whose weights are more than `max_staleness` versions behind the policy it
+would train is dropped, never trained on.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch.distributed as dist
+
+from moerl.data.prompts import PromptRecord, PromptStream
+from moerl.data.rl_batch import RLSample
+from moerl.observability import MetricsLogger, StepTimer
+from moerl.rl.config import RLConfig, SamplingConfig
+from moerl.rl.evaluate import evaluate
+from moerl.rl.policy import Policy
+from moerl.rl.rewards.client import RewardClient
+from moerl.rl.rollout.client import RolloutClient
+from moerl.rl.rollout.speculative.metrics import speculation_metrics
+from moerl.rl.scoring import ScoredGroup, group_metrics, score_groups, training_samples
+from moerl.rl.weight_sync import WeightSync
+
+
+@dataclass
+class Controller:
+    """What only the controller rank holds: the servers' clients and the data."""
+
+    engines: RolloutClient
+    judges: RewardClient
+    prompts: PromptStream
+    held_out: list[PromptRecord]
+    encode: Callable[[str], list[int]]
+    logger: MetricsLogger
+
+
+@dataclass
+class Batch:
+    samples: list[RLSample]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def collect(ctl: Controller, cfg: RLConfig, step: int) -> Batch:
+    """Generate, score and filter until the step has its groups (or rounds run out)."""
+    timer, kept, seen = StepTimer(), list[ScoredGroup](), list[ScoredGroup]()
+    reward_metrics: dict[str, float] = {}
+    for _ in range(cfg.max_generation_rounds):
+        records = ctl.prompts.take(cfg.prompts_per_step)
+        with timer.phase("rollout"):
+            groups = ctl.engines.generate(
+                [ctl.encode(r.prompt) for r in records], n=cfg.group_size,
+                sampling=cfg.sampling.params(cfg.group_size, seed=cfg.seed * 100_003 + step))
+        with timer.phase("reward"):
+            scored, reward_metrics = score_groups(ctl.judges, records, groups, step)
+        seen += scored
+        kept += [g for g in scored if g.informative] if cfg.dynamic_sampling else scored
+        if len(kept) >= cfg.prompts_per_step or not cfg.dynamic_sampling:
+            break
+    kept = kept[: cfg.prompts_per_step]
+    metrics = {**group_metrics(seen, cfg), **reward_metrics, **timer.as_metrics(),
+               **speculation_metrics(s for g in seen for s in g.samples)}
+    return Batch(training_samples(kept, cfg), metrics)
+
+
+def _share(batch: Batch | None) -> Batch:
+    """The controller's batch on every trainer rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        assert batch is not None
+        return batch
+    box = [batch]
+    dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None
+    return box[0]
+
+
+def drop_stale(batch: Batch, version: int, max_staleness: int) -> Batch:
+    """Keep samples at most `max_staleness` weight versions behind `version`."""
+    fresh = [s for s in batch.samples if version - s.weight_version <= max_staleness]
+    metrics = {
+        **batch.metrics,
+        "async/dropped_stale": float(len(batch.samples) - len(fresh)),
+        "async/staleness_max_collected": float(
+            max((version - s.weight_version for s in batch.samples), default=0)),
+        "async/staleness_max_trained": float(
+            max((version - s.weight_version for s in fresh), default=0)),
+    }
+    return Batch(fresh, metrics)
+
+
+def train(cfg: RLConfig, policy: Policy, sync: WeightSync, ctl: Controller | None,
+          start_step: int = 0, on_step_end: Callable[[int], None] | None = None) -> None:
+    """RL steps [start_step, cfg.steps). `ctl` is None on every rank but the controller.
+
+    The rollout servers must already serve the policy's current weights as version
+    `start_step`.
+    """
+    producer = _Producer(ctl, cfg, start_step) if cfg.mode == "async" and ctl else None
+    for step in range(start_step, cfg.steps):
+        if ctl is not None and (step == start_step or (cfg.eval_interval and
+                                                       step % cfg.eval_interval == 0)):
+            scores = evaluate(ctl.engines, ctl.judges, ctl.held_out, _greedy(cfg), ctl.encode, step)
+            ctl.logger.log(step, scores)
+            print(f"eval at step {step}: pass rate {scores.get('eval/pass_rate', 0):.3f}",
+                  flush=True)
+        mine = None
+        if ctl is not None:
+            mine = producer.next() if producer else collect(ctl, cfg, step)
+        batch = drop_stale(_share(mine), step, cfg.max_staleness)
+        timer = StepTimer()
+        with timer.phase("train"):
+            metrics = policy.update(batch.samples, cfg.updates_per_step) if batch.samples else {}
+        with timer.phase("sync"):
+            sync.push(policy, step + 1)
+        if ctl is not None:
+            row = {**batch.metrics, **{f"train/{k}": v for k, v in metrics.items()},
+                   **timer.as_metrics(), "weights/version": float(step + 1)}
+            ctl.logger.log(step, row)
+            _print_step(step, cfg.steps, row)
+        if on_step_end is not None:
+            on_step_end(step)
+    if producer:
+        producer.stop()
+    if ctl is not None:
+        ctl.logger.log(cfg.steps, evaluate(ctl.engines, ctl.judges, ctl.held_out, _greedy(cfg),
+                                           ctl.encode, cfg.steps))
+
+
+_SHOWN = (("reward/mean", "reward"), ("reward/pass_rate", "pass"), ("train/kl_ref", "kl"),
+          ("train/clip_frac", "clip"), ("rollout/response_length", "len"),
+          ("time/rollout", "gen s"), ("time/reward", "reward s"), ("time/train", "train s"))
+
+
+def _print_step(step: int, steps: int, row: dict[str, float]) -> None:
+    shown = "  ".join(f"{label} {row[key]:.3f}" for key, label in _SHOWN if key in row)
+    print(f"RL step {step + 1}/{steps}  {shown}", flush=True)
+
+
+def _greedy(cfg: RLConfig) -> SamplingConfig:
+    return replace(cfg.sampling, temperature=cfg.eval_temperature)
+
+
+class _Producer:
+    """Async mode: collects the next steps' batches while the current one trains.
+
+    A batch is only started while fewer than `max_staleness` finished batches wait
+    (a slot is taken before collecting and given back when the trainer takes the
+    batch), so a batch collected under weights v is trained at step <= v +
+    max_staleness; `drop_stale` enforces the bound per sample regardless.
+    """
+
+    def __init__(self, ctl: Controller, cfg: RLConfig, start_step: int) -> None:
+        self.queue: queue.Queue[Batch | BaseException] = queue.Queue()
+        self.slots = threading.Semaphore(max(cfg.max_staleness, 1))
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(ctl, cfg, start_step),
+                                       name="rl-producer", daemon=True)
+        self.thread.start()
+
+    def _run(self, ctl: Controller, cfg: RLConfig, start_step: int) -> None:
+        try:
+            for step in range(start_step, cfg.steps):
+                self.slots.acquire()
+                if self.stopping.is_set():
+                    return
+                self.queue.put(collect(ctl, cfg, step))
+        except BaseException as err:  # surfaced in the training thread
+            self.queue.put(err)
+
+    def next(self) -> Batch:
+        item = self.queue.get()
+        self.slots.release()
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"rollout collection failed: {item}") from item
+        return item
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.slots.release()
