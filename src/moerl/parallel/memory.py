@@ -8,6 +8,8 @@ held by the rank:
     master_weights  4 bytes fp32 copy }  divided by the data-parallel size d when the
     adam_states     8 bytes (m and v) }  distributed optimizer is on (12/d), else 12
 
+(fp32 runs, as on CPU: 4-byte weights optimized in place, no master copy.)
+
 so 18 bytes/param without and 6 + 12/d with the distributed optimizer (bf16), as in
 Megatron's distributed-optimizer notes. Dense parameters shard over dp*cp, routed
 experts over the expert-data-parallel group.
@@ -24,12 +26,14 @@ experts). `activations.py` holds those per-layer formulas.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from moerl.models.arch import MoEArch
 from moerl.parallel.activations import (
+    LayerSpec,
     Recompute,
+    head_bytes,
     layer_activation_bytes,
     logits_bytes,
     tokens_per_rank,
@@ -37,7 +41,10 @@ from moerl.parallel.activations import (
 from moerl.parallel.layout import ParallelLayout
 from moerl.parallel.stages import ParamSplit, stage_chunks, stage_params
 
-Precision = Literal["bf16", "fp8"]
+Precision = Literal["bf16", "fp8", "fp32"]
+# te: Transformer Engine's spec (GPU). local: Megatron's local spec (CPU), whose MLA
+# down-projections are column-parallel (split over tp, not replicated) and whose
+# unfused kernels keep more activations (activations.py).
 GiB = 1024**3
 
 
@@ -49,6 +56,7 @@ class RunSettings:
     micro_batch_size: int = 1
     global_batch_size: int = 1024  # sequences per optimizer step
     precision: Precision = "bf16"  # fp8: fp8 primary weights, fp32 master copies
+    layer_spec: LayerSpec = "te"
     recompute: Recompute = "selective"
     moe_capacity_factor: float | None = None  # None: dropless (dispatch sized worst case)
     kv_cache_tokens: int = 0  # colocated rollouts: tokens cached per model replica
@@ -91,7 +99,8 @@ def weight_bytes(split: ParamSplit, layout: ParallelLayout, run: RunSettings) ->
     dp*cp and that of routed experts by the expert-data-parallel size.
     """
     held = split.total
-    width = 1 if run.precision == "fp8" else 2
+    width = {"fp8": 1, "bf16": 2, "fp32": 4}[run.precision]
+    master = 0.0 if run.precision == "fp32" else 4.0
     dense_shards = layout.dp * layout.cp if layout.use_distributed_optimizer else 1
     expert_shards = layout.expert_dp if layout.use_distributed_optimizer else 1
     dense = split.total - split.expert
@@ -99,7 +108,7 @@ def weight_bytes(split: ParamSplit, layout: ParallelLayout, run: RunSettings) ->
     return {
         "weights": float(held * width),
         "main_grads": float(held * 4),
-        "master_weights": 4.0 * sharded,
+        "master_weights": master * sharded,
         "adam_states": 8.0 * sharded,
     }
 
@@ -156,34 +165,70 @@ def kv_cache_bytes(arch: MoEArch, layout: ParallelLayout, run: RunSettings, laye
     return float(run.kv_cache_tokens * layers * per_token * run.kv_cache_bytes)
 
 
-def rank_memory(
-    arch: MoEArch, layout: ParallelLayout, run: RunSettings, rank: int
-) -> MemoryBreakdown:
-    """The memory of pipeline rank `rank` (0-based), every term named."""
-    split = stage_params(arch, layout, rank)
-    chunks = stage_chunks(arch, layout, rank)
-    layers = [layer for chunk in chunks for layer in chunk]
-    is_last = rank == layout.pp - 1
-    micro_batches = run.micro_batches(layout.dp)
-    in_flight = in_flight_micro_batches(layout, rank, micro_batches)
+def local_spec_split(arch: MoEArch, layout: ParallelLayout, split: ParamSplit,
+                     mla_layers: int) -> ParamSplit:
+    """`split` as the local spec shards it: MLA down-projections split over tp."""
+    if arch.attention != "mla" or layout.tp == 1:
+        return split
+    h = arch.hidden_size
+    down = h * ((arch.q_lora_rank or 0) + arch.kv_lora_rank + arch.qk_pos_emb_head_dim)
+    moved = down * mla_layers
+    return replace(split, replicated=split.replicated - moved,
+                   tensor=split.tensor + moved / layout.tp)
 
-    terms = weight_bytes(split, layout, run)
+
+def _activation_terms(
+    arch: MoEArch, layout: ParallelLayout, run: RunSettings, layers: list[int], is_last: bool
+) -> tuple[float, float]:
+    """(bytes one micro-batch keeps on this rank, full-recompute working set)."""
+    width = 4 if run.precision == "fp32" else 2
+    # The last stage also runs the MTP layers, each a copy of the last layer's kind.
+    if is_last:
+        layers = layers + [arch.num_layers - 1] * arch.mtp_num_layers
     # Every dense layer saves the same, and every MoE layer: evaluate each kind once.
     firsts = {arch.is_moe_layer(layer): layer for layer in reversed(layers)}
     kinds = {
         moe: layer_activation_bytes(arch, layout, run.seq_length, run.micro_batch_size,
-                                    run.moe_capacity_factor, layer, run.recompute)
+                                    run.moe_capacity_factor, layer, run.recompute,
+                                    width=width, spec=run.layer_spec)
         for moe, layer in firsts.items()
     }
     per_layer = [kinds[arch.is_moe_layer(layer)] for layer in layers]
     saved = sum(stored for stored, _ in per_layer)
+    if is_last:
+        saved += head_bytes(arch, layout, run.seq_length, run.micro_batch_size, width,
+                            run.layer_spec)
     # Full recompute re-runs one layer in backward; that layer's whole activation set
     # is alive once, on top of the checkpoints every in-flight micro-batch keeps.
     working = max((peak for _, peak in per_layer), default=0.0)
+    return saved, working if run.recompute == "full" else 0.0
+
+
+def rank_memory(
+    arch: MoEArch, layout: ParallelLayout, run: RunSettings, rank: int
+) -> MemoryBreakdown:
+    """The memory of pipeline rank `rank` (0-based), every term named."""
+    chunks = stage_chunks(arch, layout, rank)
+    layers = [layer for chunk in chunks for layer in chunk]
+    is_last = rank == layout.pp - 1
+    split = stage_params(arch, layout, rank)
+    if is_last and layout.pp > 1 and arch.mtp_num_layers:
+        # MTP embeds the shifted tokens itself: with pp > 1 the last stage holds its own
+        # copy of the word embeddings (vocab/tp x h), measured on Megatron-Core 0.19.
+        split = split + ParamSplit(embedding=arch.vocab_size * arch.hidden_size / layout.tp)
+    if run.layer_spec == "local":
+        mla_layers = len(layers) + (arch.mtp_num_layers if is_last else 0)
+        split = local_spec_split(arch, layout, split, mla_layers)
+    micro_batches = run.micro_batches(layout.dp)
+    in_flight = in_flight_micro_batches(layout, rank, micro_batches)
+    width = 4 if run.precision == "fp32" else 2
+
+    terms = weight_bytes(split, layout, run)
+    saved, working = _activation_terms(arch, layout, run, layers, is_last)
     terms["activations"] = saved * in_flight
-    terms["recompute_working_set"] = working if run.recompute == "full" else 0.0
-    terms["logits"] = logits_bytes(arch, layout, run.seq_length, run.micro_batch_size) \
-        if is_last else 0.0
+    terms["recompute_working_set"] = working
+    terms["logits"] = logits_bytes(arch, layout, run.seq_length, run.micro_batch_size,
+                                   width) if is_last else 0.0
     terms["moe_dispatch"] = dispatch_bytes(arch, layout, run) \
         if any(arch.is_moe_layer(i) for i in layers) else 0.0
     terms["kv_cache"] = kv_cache_bytes(arch, layout, run, len(layers))

@@ -1,0 +1,104 @@
+"""The memory model against what Megatron actually allocates, per rank, on CPU.
+
+For the `tiny` preset under several layouts, `memory_worker.py` builds the model
+and optimizer, takes one step of one micro-batch and counts bytes per rank. The
+memory model, given the same settings (fp32 on CPU, the local layer spec, no
+recompute, one micro-batch in flight), must predict weights, main gradients,
+fp32 master copies and Adam states exactly, and the saved activations (layers,
+MTP, head and logits of one micro-batch) within 15%.
+
+The model is built with the latent norms (`qk_layernorm`) that DeepSeek-V3 and
+Kimi-K2 have and that the parameter counts include.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from moerl.models.arch import TINY
+from moerl.parallel.layout import ParallelLayout
+from moerl.parallel.memory import RunSettings, rank_memory
+
+WORKER = Path(__file__).with_name("memory_worker.py")
+SEQ_LENGTH, MICRO_BATCH = 64, 2
+ACTIVATION_TOLERANCE = 0.15
+STATIC = ("weights", "main_grads", "master_weights", "adam_states")
+
+# name -> (ranks, ParallelLayout degrees; dp is filled in from the ranks)
+LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
+    "single": (1, {}),
+    "tp2": (2, {"tp": 2}),
+    "ep2": (2, {"ep": 2}),
+    "pp2": (2, {"pp": 2}),
+    "dp2_distributed_optimizer": (2, {"use_distributed_optimizer": True}),
+}
+
+
+def _launch(ranks: int, layout: dict[str, Any], out: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    args = [str(WORKER), "--out", str(out), "--layout", json.dumps(layout),
+            "--seq-length", str(SEQ_LENGTH), "--micro-batch", str(MICRO_BATCH)]
+    cmd = [sys.executable, *args] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={ranks}", *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """Every layout measured at once: the runs are mostly start-up, which overlaps."""
+    root = tmp_path_factory.mktemp("memory")
+    procs = {name: _launch(ranks, degrees, root / name)
+             for name, (ranks, degrees) in LAYOUTS.items()}
+    results = {}
+    for name, proc in procs.items():
+        output, _ = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+            tail = "\n".join(output.splitlines()[-40:])
+            pytest.fail(f"{name} failed:\n{tail}")
+        ranks = LAYOUTS[name][0]
+        results[name] = [json.loads((root / name / f"rank{r}.json").read_text())
+                         for r in range(ranks)]
+    return results
+
+
+def predict(layout: ParallelLayout, pp_rank: int) -> dict[str, float]:
+    """The model's terms for one rank, with the activation terms of one micro-batch."""
+    run = RunSettings(seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH,
+                      global_batch_size=MICRO_BATCH * layout.dp, precision="fp32",
+                      recompute="none", layer_spec="local")
+    memory = rank_memory(TINY, layout, run, pp_rank)
+    assert memory.in_flight == 1
+    terms = dict(memory.terms)
+    terms["saved_activations"] = terms["activations"] + terms["logits"]
+    return terms
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_memory_model_matches_allocation(
+    name: str, measured: dict[str, list[dict[str, Any]]]
+) -> None:
+    ranks, degrees = LAYOUTS[name]
+    layout = ParallelLayout.for_world(ranks, **degrees)
+    for got in measured[name]:
+        want = predict(layout, got["pp_rank"])
+        ratio = got["activations"] / want["saved_activations"]
+        print(f"{name} rank {got['rank']}: " + ", ".join(
+            f"{k} {got[k]:,} (model {want[k]:,.0f})" for k in STATIC)
+            + f"; activations {got['activations']:,} (model "
+            f"{want['saved_activations']:,.0f}, measured/model {ratio:.3f}); "
+            f"DDP padding {got['grad_buffer_padding']:,}")
+        for key in STATIC:
+            assert got[key] == want[key], (name, got["rank"], key, got[key], want[key])
+        assert abs(ratio - 1) <= ACTIVATION_TOLERANCE, (name, got["rank"], ratio)
