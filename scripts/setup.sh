@@ -52,6 +52,6 @@ echo "using $PY"
 # torch first and alone: pip otherwise resolves it together with megatron-core's range.
 "$VENV/bin/pip" install -q --upgrade pip
 "$VENV/bin/pip" install -q "torch==2.13.0" numpy packaging
-"$VENV/bin/pip" install -q -e ".[dev,rewards,launch]"
+"$VENV/bin/pip" install -q -e ".[dev,rewards,launch,hf]"
 touch "$STAMP"
 echo "environment ready: $VENV"

@@ -8,10 +8,18 @@ and only typed sub-configs travel inward.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moerl.data.prompts import DataConfig
+from moerl.launchers.cluster import ClusterConfig
+from moerl.launchers.plan import LaunchConfig, RewardStageConfig, RolloutStageConfig
 from moerl.models.arch import MoEArch
+from moerl.observability import LoggerConfig
+from moerl.parallel.layout import ParallelLayout
+from moerl.rl.config import RLConfig, SFTConfig
+from moerl.trainer.optimizer import OptimConfig
 from moerl.typed_config import ConfigError, from_dict
 
 _REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -59,3 +67,49 @@ def load_model_config(overrides: list[str]) -> tuple[MoEArch, int]:
     if not isinstance(seq_length, int) or seq_length < 1:
         raise ConfigError(f"seq_length: expected a positive integer, got {seq_length!r}")
     return arch, seq_length
+
+
+@dataclass
+class RunConfig:
+    """Everything one RL run (`moerl train`, `moerl demo`) is configured by."""
+
+    model: MoEArch
+    parallel: ParallelLayout
+    optim: OptimConfig
+    rl: RLConfig
+    sft: SFTConfig
+    data: DataConfig
+    rollout: RolloutStageConfig
+    rewards: RewardStageConfig
+    logger: LoggerConfig
+    launcher: LaunchConfig
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # SLURM only
+    run_dir: str = "runs/default"
+    seq_length: int = 4096  # for FLOP counts (model-info)
+
+    def __post_init__(self) -> None:
+        if self.rl.sampling.max_tokens + self.data.max_prompt_tokens > (
+                self.model.max_position_embeddings):
+            raise ConfigError(
+                f"rl.sampling.max_tokens + data.max_prompt_tokens = "
+                f"{self.rl.sampling.max_tokens + self.data.max_prompt_tokens} exceeds "
+                f"model.max_position_embeddings ({self.model.max_position_embeddings})"
+            )
+
+
+def load_run_config(overrides: list[str], world_size: int | None = None) -> RunConfig:
+    """The typed run config; dp is derived from `world_size` (default: the launcher's
+    trainer ranks) unless `parallel.dp` is given."""
+    data = compose(overrides)
+    raw_parallel = data.pop("parallel")
+    launch = from_dict(LaunchConfig, data.get("launcher", {}), "launcher")
+    world = world_size or launch.trainer_ranks * launch.trainer_nodes
+    if raw_parallel.get("dp") is None:
+        degrees = from_dict(ParallelLayout, {k: v for k, v in raw_parallel.items() if k != "dp"},
+                            "parallel")
+        layout = ParallelLayout.for_world(world, **vars(degrees))
+    else:
+        layout = from_dict(ParallelLayout, raw_parallel, "parallel")
+    cfg = from_dict(RunConfig, {**data, "parallel": {}}, "")
+    cfg.parallel = layout
+    return cfg

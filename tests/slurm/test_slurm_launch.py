@@ -18,7 +18,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from moerl.config import load_run_config
 from moerl.launchers import slurm
+from moerl.launchers.plan import build_run_plan
+from moerl.launchers.slurm_run import slurm_job
 from moerl.launchers.stages import RunPlan, StageSpec
 
 if TYPE_CHECKING:
@@ -198,23 +201,19 @@ def test_test_only_large_cluster(slurm_cloud: dict[str, str], tmp_path: Path) ->
         slurm.test_only(slurm.render_sbatch(_big_plan(tmp_path, 8, 9), cfg), env=slurm_cloud)
 
 
+# The shipped demo on a cluster, with the checkout at SHARED on every node's filesystem.
+SHARED = Path("/shared/moerl")
+DEMO_OVERRIDES = ["+experiment=demo", "launcher=slurm", "cluster=h100",
+                  f"launcher.python={SHARED}/.venv/bin/python"]
+
+
 def tiny_demo_sbatch() -> str:
-    """The tiny demo's three stages, laid out as they would be on a small GPU cluster."""
-    stages = (
-        StageSpec("trainer", ("python", "-m", "moerl.launchers.cli", "train", "experiment=demo"),
-                  nodes=1, gpus_per_node=8, cpus=64, ranks_per_node=8),
-        StageSpec("rollout", ("moerl", "serve", "rollout", "--port", "{port}"),
-                  replicas=2, nodes=1, gpus_per_node=8, cpus=32),
-        StageSpec("reward", ("moerl", "serve", "reward", "--port", "{port}"),
-                  replicas=2, nodes=1, cpus=16),
-    )  # fmt: skip
-    plan = RunPlan(stages, Path("runs/tiny_demo/rendezvous"), Path("runs/tiny_demo/logs"))
-    cfg = slurm.SlurmConfig(
-        partitions={"trainer": "gpu", "rollout": "gpu", "reward": "cpu"},
-        account="my_account", time="01:00:00", mem_per_cpu="4G",
-        setup=("source .venv/bin/activate",),
-    )  # fmt: skip
-    return slurm.render_sbatch(plan, cfg)
+    """What `moerl train <DEMO_OVERRIDES> --dry-run` prints from a checkout at SHARED."""
+    cfg = load_run_config(DEMO_OVERRIDES)
+    root = SHARED / "runs" / "demo"
+    plan = build_run_plan(root, DEMO_OVERRIDES, cfg.launcher, cfg.rollout, cfg.rewards,
+                          root / "arch.json", config_dir=SHARED / "configs")
+    return slurm.render_sbatch(*slurm_job(plan, cfg, root.name))
 
 
 def test_example_in_sync() -> None:

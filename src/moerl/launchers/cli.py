@@ -1,10 +1,12 @@
 """`moerl` command line: one sub-command per program, Hydra overrides after it.
 
     moerl demo                               the default post-training demo (tiny MoE, CPU)
+    moerl train experiment=demo rl.steps=60  an RL run (stages as local processes or SLURM)
     moerl model-info model=kimi-k2 [--json]  parameters and training FLOPs per token
     moerl plan model=kimi-k2 cluster.nodes=128 [--json]
     moerl train-lm parallel.tp=2 ...         a language-model training run (torchrun-aware)
     moerl serve reward --port 8100           the reward server
+    moerl hf import HF_DIR WEIGHTS_DIR       Hugging Face -> Megatron (and `hf export`)
 
 Sub-commands import their module only when run, so `moerl --help` stays fast.
 """
@@ -68,9 +70,27 @@ def _train_lm(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _demo(args: argparse.Namespace, overrides: list[str]) -> int:
-    from moerl.launchers.demo import run_demo
+    from moerl.launchers.train import run_train
 
-    return run_demo(overrides)
+    return run_train(["+experiment=demo", *overrides], dry_run=args.dry_run)
+
+
+def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from moerl.launchers.train import run_train
+
+    return run_train(overrides, dry_run=args.dry_run)
+
+
+def _trainer(args: argparse.Namespace, overrides: list[str]) -> int:
+    from moerl.launchers.train import run_trainer
+
+    return run_trainer(overrides)
+
+
+def _hf(args: argparse.Namespace, overrides: list[str]) -> int:
+    from moerl.models.hf import hf_main
+
+    return hf_main([args.direction, *overrides])
 
 
 def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -93,8 +113,15 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Arguments after the sub-command are Hydra overrides, e.g. parallel.tp=2.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="the default post-training demo on the tiny MoE")
+    demo = sub.add_parser("demo", help="the default post-training demo: SFT then GRPO, tiny MoE")
+    demo.add_argument("--dry-run", action="store_true", help="print the SLURM script only")
     demo.set_defaults(handler=_demo)
+    train = sub.add_parser("train", help="an RL run: reward and rollout servers, trainer")
+    train.add_argument("--dry-run", action="store_true",
+                       help="with launcher.kind=slurm: print the sbatch script, submit nothing")
+    train.set_defaults(handler=_train)
+    trainer = sub.add_parser("trainer", help="the trainer stage of a run (started by train)")
+    trainer.set_defaults(handler=_trainer)
     info = sub.add_parser("model-info", help="parameter counts and training FLOPs")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(handler=_model_info)
@@ -103,6 +130,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.set_defaults(handler=_plan)
     lm = sub.add_parser("train-lm", help="language-model training on the synthetic corpus")
     lm.set_defaults(handler=_train_lm)
+    hf = sub.add_parser("hf", help="Hugging Face checkpoints <-> Megatron weights",
+                        description="moerl hf import <hf_dir> <weights_dir> [tp=2 ep=2 ...]\n"
+                        "moerl hf export <weights_dir> <hf_out_dir> [model=...]")
+    hf.add_argument("direction", choices=["import", "export"])
+    hf.set_defaults(handler=_hf)
     serve = sub.add_parser("serve", help="run a rollout or reward server")
     serve.add_argument("service", choices=["reward", "rollout"])
     serve.set_defaults(handler=_serve)

@@ -49,13 +49,13 @@ def layout_for_world(raw: dict[str, Any]) -> ParallelLayout:
     return ParallelLayout.for_world(world, **vars(layout))
 
 
-def check_layout_at_start(arch: MoEArch, layout: ParallelLayout) -> None:
+def check_layout_at_start(arch: MoEArch, layout: ParallelLayout, world: int | None = None) -> None:
     """Every layout rule, before any process group or model exists."""
     import torch
 
     from moerl.models.build import te_available
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world or int(os.environ.get("WORLD_SIZE", "1"))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     layout.check(arch, world, backend, te_available())
 

@@ -20,12 +20,19 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import IO
 
+from moerl.launchers.proctree import (
+    descendants,
+    group_alive,
+    kill_pids,
+    signal_group,
+    still_running,
+)
 from moerl.launchers.stages import (
     ENV_HOST,
     ENV_INDEX,
@@ -188,6 +195,8 @@ class LocalLauncher:
         pump.start()
         proc = _Proc(label, stage, popen, log_path, pump)
         self.procs.append(proc)
+        if self.echo:
+            print(f"[launcher] {label}: pid {popen.pid}, log {log_path}", flush=True)
         return proc
 
     def _check_servers(self) -> None:
@@ -219,36 +228,36 @@ class LocalLauncher:
             time.sleep(0.2)
         if trainer.pump is not None:
             trainer.pump.join(timeout=5.0)
+        if code != 0:
+            # The trainer may notice a dead server (its client gives up) between two
+            # polls; the server is then the cause, and the one to name.
+            self._check_servers()
         return code
 
     def teardown(self) -> None:
-        """SIGTERM every process group, SIGKILL what is left after `grace` seconds."""
+        """SIGTERM every process group, SIGKILL what is left after `grace` seconds.
+
+        Descendants are recorded first: once their parent is gone they can no
+        longer be found, and torchrun's ranks are outside its process group.
+        """
+        strays = {pid: start for p in self.procs for pid, start in descendants(p.pgid).items()}
         for proc in reversed(self.procs):  # trainer first: it is the servers' client
-            _signal_group(proc.pgid, signal.SIGTERM)
+            signal_group(proc.pgid, signal.SIGTERM)
         deadline = time.monotonic() + self.grace
-        while time.monotonic() < deadline and any(_group_alive(p) for p in self.procs):
+        while time.monotonic() < deadline and (
+            any(_alive(p) for p in self.procs) or still_running(strays)
+        ):
             time.sleep(0.05)
         for proc in self.procs:
-            if _group_alive(proc):
-                _signal_group(proc.pgid, signal.SIGKILL)
+            if _alive(proc):
+                signal_group(proc.pgid, signal.SIGKILL)
+        kill_pids(still_running(strays))
         for proc in self.procs:
             proc.popen.wait()
             if proc.pump is not None:
                 proc.pump.join(timeout=2.0)
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _group_alive(proc: _Proc) -> bool:
-    # Reap the leader first: a zombie still counts as a member of its group.
-    proc.popen.poll()
-    try:
-        os.killpg(proc.pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _alive(proc: _Proc) -> bool:
+    proc.popen.poll()  # reap the leader: a zombie still counts as a group member
+    return group_alive(proc.pgid)

@@ -22,9 +22,10 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from moerl.launchers.slurm_shell import FINISH, FUNCTIONS, PREAMBLE
 from moerl.launchers.stages import (
     ENV_HOST,
     ENV_INDEX,
@@ -187,99 +188,11 @@ def _trainer_step(stage: StageSpec, group: int | None, cfg: SlurmConfig) -> str:
     ])  # fmt: skip
 
 
-_PREAMBLE = """
-# Rendered by moerl.launchers.slurm.render_sbatch. Each stage is one job step of
-# this heterogeneous job: servers in the background, each replica writing
-# host:port to $MOERL_RENDEZVOUS_DIR/<stage>/<i>.addr once healthy; the trainer
-# (torchrun per node, master = first node of group 0) runs once all have
-# announced. USR1 before the time limit: the trainer checkpoints and exits with
-# REQUEUE_EXIT_CODE, then the job requeues itself. The EXIT trap stops all steps.
-"""
-
-_FUNCTIONS = r"""
-SERVER_PIDS=() SERVER_NAMES=() TRAINER_PID="" PREEMPTED=0
-
-moerl_started() { SERVER_NAMES+=("$1"); SERVER_PIDS+=("$2"); }
-
-moerl_check_servers() {  # fails, naming the stage, once any server step has ended
-  local i rc
-  for i in "${!SERVER_PIDS[@]}"; do
-    if ! kill -0 "${SERVER_PIDS[$i]}" 2>/dev/null; then
-      wait "${SERVER_PIDS[$i]}"; rc=$?
-      echo "moerl: stage ${SERVER_NAMES[$i]} ended early (exit code $rc); logs in $LOG_DIR" >&2
-      return 1
-    fi
-  done
-}
-
-moerl_wait_announced() {  # STAGE EXPECTED
-  local deadline=$((SECONDS + STARTUP_TIMEOUT)) n
-  while :; do
-    n=$(find "$MOERL_RENDEZVOUS_DIR/$1" -maxdepth 1 -name '[0-9]*.addr' 2>/dev/null | wc -l)
-    [ "$n" -ge "$2" ] && return 0
-    moerl_check_servers || return 1
-    if [ "$SECONDS" -ge "$deadline" ]; then
-      echo "moerl: stage $1: $n of $2 endpoints after ${STARTUP_TIMEOUT} s" >&2
-      return 1
-    fi
-    sleep 1 & wait $!  # a bare `sleep` would hold back the traps until it ends
-  done
-}
-
-moerl_cleanup() {  # TERM every step still running, KILL after GRACE seconds
-  local pids=(${TRAINER_PID:+"$TRAINER_PID"} "${SERVER_PIDS[@]}") p t alive
-  TRAINER_PID="" SERVER_PIDS=() SERVER_NAMES=()
-  [ "${#pids[@]}" -eq 0 ] && return 0
-  kill -TERM "${pids[@]}" 2>/dev/null
-  for ((t = 0; t < GRACE; t++)); do
-    alive=0
-    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
-    [ "$alive" -eq 0 ] && break
-    sleep 1
-  done
-  kill -KILL "${pids[@]}" 2>/dev/null
-  wait 2>/dev/null
-  return 0
-}
-
-moerl_preempt() {
-  PREEMPTED=1
-  echo "moerl: USR1 (time limit near): trainer checkpoints, then the job requeues" >&2
-  [ -n "$TRAINER_PID" ] && kill -USR1 "$TRAINER_PID" 2>/dev/null
-  return 0
-}
-
-trap moerl_cleanup EXIT
-trap 'exit 143' TERM INT
-trap moerl_preempt USR1
-"""
-
-_FINISH = r"""
-while kill -0 "$TRAINER_PID" 2>/dev/null; do
-  moerl_check_servers || exit 1
-  sleep 1 & wait $!
-done
-wait "$TRAINER_PID"; rc=$?
-TRAINER_PID=""
-echo "moerl: trainer exit code $rc" >&2
-# torchrun reports a rank's exit code as 1, hence the marker and PREEMPTED.
-if [ -e "$MOERL_RENDEZVOUS_DIR/requeue" ] || { [ "$PREEMPTED" -eq 1 ] && [ "$rc" -ne 0 ]; }; then
-  rc=$REQUEUE_EXIT_CODE
-fi
-if [ "$REQUEUE" -eq 1 ] && [ "$rc" -eq "$REQUEUE_EXIT_CODE" ]; then
-  moerl_cleanup
-  echo "moerl: requeueing job $SLURM_JOB_ID" >&2
-  scontrol requeue "$SLURM_JOB_ID"
-fi
-exit "$rc"
-"""
-
-
 def render_sbatch(plan: RunPlan, cfg: SlurmConfig) -> str:
     """The sbatch script for `plan` (a heterogeneous job when it has servers)."""
     groups = _het_groups(plan)
     het = len(groups) > 1
-    lines = ["#!/bin/bash", *_header(plan, cfg), "", _PREAMBLE.strip(), "set -uo pipefail"]
+    lines = ["#!/bin/bash", *_header(plan, cfg), "", PREAMBLE.strip(), "set -uo pipefail"]
     lines += [
         f"export MOERL_RENDEZVOUS_DIR={shlex.quote(str(plan.rendezvous_dir))}/$SLURM_JOB_ID",
         f"LOG_DIR={shlex.quote(str(plan.log_dir))}",
@@ -290,7 +203,7 @@ def render_sbatch(plan: RunPlan, cfg: SlurmConfig) -> str:
         lines.append(f"export MOERL_ADVERTISE_HOST={shlex.quote(cfg.advertise_host)}")
     if cfg.master_addr:
         lines.append(f"export MOERL_MASTER_ADDR={shlex.quote(cfg.master_addr)}")
-    lines += [_FUNCTIONS.strip(), ""]
+    lines += [FUNCTIONS.strip(), ""]
     # A requeued attempt must not find the previous attempt's (dead) servers.
     lines.append('rm -rf "$MOERL_RENDEZVOUS_DIR"; mkdir -p "$MOERL_RENDEZVOUS_DIR" "$LOG_DIR"')
     lines += list(cfg.setup)
@@ -298,7 +211,7 @@ def render_sbatch(plan: RunPlan, cfg: SlurmConfig) -> str:
         lines += ["", _server_step(stage, groups.index(stage) if het else None, cfg)]
     for stage in plan.servers:
         lines.append(f"moerl_wait_announced {stage.name} {stage.replicas} || exit 1")
-    lines += ["", _trainer_step(plan.trainer, 0 if het else None, cfg), _FINISH.strip(), ""]
+    lines += ["", _trainer_step(plan.trainer, 0 if het else None, cfg), FINISH.strip(), ""]
     return "\n".join(lines)
 
 
@@ -317,20 +230,48 @@ def submit(
     *,
     env: Mapping[str, str] | None = None,
     sbatch: str = "sbatch",
+    on_submit: Callable[[int], None] | None = None,
 ) -> Submission:
-    """Submit `script`; with `wait`, block until the job ends and return its exit code."""
-    args = ["--parsable", *(["--wait"] if wait else [])]
-    done = _sbatch(args, script, env, sbatch)
-    match = re.match(r"^(\d+)", done.stdout.strip())
+    """Submit `script`; with `wait`, block until the job ends and return its exit code.
+
+    `on_submit` gets the job id as soon as sbatch prints it, before the wait.
+    """
+    args = [sbatch, "--parsable", *(["--wait"] if wait else [])]
+    proc = subprocess.Popen(
+        args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    # The script goes in on stdin: nothing to clean up, and sbatch keeps a copy.
+    proc.stdin.write(script)
+    proc.stdin.close()
+    first = proc.stdout.readline()
+    match = re.match(r"^(\d+)", first.strip())
+    if match is not None and on_submit is not None:
+        on_submit(int(match.group(1)))
+    try:
+        # sbatch writes a line or two to stderr, far below a pipe's buffer, so
+        # reading stdout to the end first cannot block it.
+        rest = proc.stdout.read()
+        err = proc.stderr.read() if proc.stderr else ""
+        proc.wait()
+    except BaseException:
+        proc.kill()  # sbatch only waits; the job itself is the caller's to cancel
+        proc.wait()
+        raise
     if match is None:
-        raise SlurmError(f"sbatch failed (exit code {done.returncode}): {done.stderr.strip()}")
-    return Submission(int(match.group(1)), done.returncode if wait else None)
+        message = (err or first + rest).strip()
+        raise SlurmError(f"sbatch failed (exit code {proc.returncode}): {message}")
+    return Submission(int(match.group(1)), proc.returncode if wait else None)
 
 
-def launch(plan: RunPlan, cfg: SlurmConfig, wait: bool = False) -> Submission:
+def launch(
+    plan: RunPlan, cfg: SlurmConfig, wait: bool = False,
+    on_submit: Callable[[int], None] | None = None,
+) -> Submission:
     """Render and submit `plan`; sbatch does not create the --output directory."""
     plan.log_dir.mkdir(parents=True, exist_ok=True)
-    return submit(render_sbatch(plan, cfg), wait)
+    return submit(render_sbatch(plan, cfg), wait, on_submit=on_submit)
 
 
 def test_only(script: str, *, env: Mapping[str, str] | None = None, sbatch: str = "sbatch") -> str:

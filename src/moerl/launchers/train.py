@@ -1,0 +1,76 @@
+"""`moerl train`: start the run's stages; `moerl trainer`: the trainer stage itself.
+
+`moerl train` checks the whole configuration at once (before anything starts),
+writes it next to the run, and starts the reward servers, the rollout servers
+and the trainer (torchrun) as local processes or as a SLURM heterogeneous job.
+The trainer stage (`moerl trainer`, every rank) does the optional SFT warm-up,
+publishes the weights the rollout servers start from, and runs `rl.loop.train`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.console import Console
+
+from moerl.config import RunConfig, config_dir, load_run_config
+from moerl.launchers.plan import RunLayout, build_run_plan
+from moerl.typed_config import to_dict
+
+
+def _prepare_run_dir(cfg: RunConfig) -> tuple[Path, Path]:
+    root = Path(cfg.run_dir).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    arch_file = root / "arch.json"
+    arch_file.write_text(json.dumps(asdict(cfg.model)))
+    return root, arch_file
+
+
+def run_train(overrides: list[str], dry_run: bool = False) -> int:
+    """Launch the run described by `overrides` (locally or on SLURM)."""
+    from moerl.launchers.lm import check_layout_at_start
+
+    cfg = load_run_config(overrides)
+    check_layout_at_start(cfg.model, cfg.parallel,
+                          world=cfg.launcher.trainer_ranks * cfg.launcher.trainer_nodes)
+    root, arch_file = _prepare_run_dir(cfg)
+    plan = build_run_plan(root, overrides, cfg.launcher, cfg.rollout, cfg.rewards, arch_file,
+                          config_dir=config_dir().resolve())
+    console = Console(stderr=True)
+    if cfg.launcher.kind == "slurm":
+        from moerl.launchers.slurm_run import run_on_slurm
+
+        return run_on_slurm(plan, cfg, root.name, dry_run, console)
+    from moerl.launchers.local import LocalLauncher, StageFailed
+
+    launcher = LocalLauncher(plan, startup_timeout=cfg.launcher.startup_timeout_s, echo=True)
+    try:
+        code = launcher.run()
+    except StageFailed as err:
+        # markup off: the log tail may hold [brackets]; soft wrap: paths stay whole
+        console.print(f"run failed: {err}", style="red", markup=False, soft_wrap=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    if code != 0:
+        console.print(f"the trainer stage exited with {code}; logs in {plan.log_dir}",
+                      style="red", markup=False)
+    return code
+
+
+def run_trainer(overrides: list[str]) -> int:
+    """The trainer stage: every rank runs this under torchrun."""
+    from moerl.launchers.trainer_stage import trainer_main
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = load_run_config(overrides, world_size=world)
+    return trainer_main(cfg, RunLayout(Path(cfg.run_dir).resolve()))
+
+
+if __name__ == "__main__":
+    sys.exit(run_train(sys.argv[1:]))

@@ -1,0 +1,109 @@
+"""The trainer stage of a run: SFT warm-up (optional), then RL against the servers.
+
+Every trainer rank runs `trainer_main`; global rank 0 is also the controller that
+talks to the rollout and reward servers (found in the rendezvous directory).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from moerl.config import RunConfig
+from moerl.data.prompts import PromptRecord, PromptStream, load_prompts
+from moerl.data.sft import encode_example
+from moerl.data.tokenizer import ByteTokenizer
+from moerl.launchers.plan import RunLayout
+from moerl.launchers.stages import ENV_RENDEZVOUS
+from moerl.models.build import build_model, te_available
+from moerl.models.weights import save_weights
+from moerl.observability import MetricsLogger, read_metrics
+from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
+from moerl.rl.config import SFTConfig
+from moerl.rl.loop import Controller, train
+from moerl.rl.losses import build_objective, objective_config_class
+from moerl.rl.policy import Policy, PolicyConfig
+from moerl.rl.rewards.client import RewardClient, RewardClientConfig
+from moerl.rl.rollout.client import ClientConfig, RolloutClient
+from moerl.rl.weight_sync import FilesystemWeightSync
+from moerl.trainer.optimizer import OptimConfig, build_optimizer
+from moerl.trainer.sft import run_sft
+from moerl.typed_config import from_dict, to_dict
+
+
+def sft_phase(cfg: RunConfig, groups: ParallelGroups, tok: ByteTokenizer,
+              records: list[PromptRecord], out: Path) -> Path:
+    """Train a fresh model on the records' reference completions; its weights dir."""
+    examples = [encode_example(tok, r.prompt, r.reference) for r in records if r.reference]
+    if not examples:
+        raise ValueError("sft.steps > 0 but the dataset has no reference completions")
+    sft: SFTConfig = cfg.sft
+    optim = OptimConfig(lr=sft.lr, min_lr=sft.lr / 10, warmup_steps=sft.warmup_steps,
+                        decay_steps=max(sft.steps, sft.warmup_steps + 1))
+    chunks = build_model(cfg.model, cfg.parallel, te=te_available(), backend=groups.backend)
+    trainable = build_optimizer(chunks, optim, cfg.parallel)
+    losses = run_sft(trainable, groups, examples, sft, tok.pad_id)
+    if groups.is_logging_rank:
+        Console().print(f"SFT: loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps")
+    if groups.rank == 0:
+        shutil.rmtree(out, ignore_errors=True)
+    return save_weights(list(trainable.model), out)
+
+
+def _controller(cfg: RunConfig, root: Path, records: list[PromptRecord],
+                held_out: list[PromptRecord], tok: ByteTokenizer) -> Controller:
+    rendezvous = Path(os.environ.get(ENV_RENDEZVOUS, root / "rendezvous"))
+    engines = RolloutClient(rendezvous_dir=rendezvous,
+                            config=ClientConfig(timeout_s=cfg.rollout.request_timeout_s))
+    judges = RewardClient(RewardClientConfig(
+        rendezvous_dir=rendezvous, batch_size=cfg.rewards.batch_size,
+        timeout_s=cfg.rewards.timeout_s), seed=cfg.rl.seed)
+    bos = [] if tok.bos_id is None else [tok.bos_id]
+    return Controller(
+        engines=engines, judges=judges,
+        prompts=PromptStream(records, seed=cfg.data.seed), held_out=held_out,
+        encode=lambda text: bos + tok.encode(text),
+        logger=MetricsLogger(cfg.logger, root, to_dict(cfg)),
+    )
+
+
+def summary_table(metrics_file: Path) -> Table:
+    """Held-out pass rate before RL (after SFT) and after RL."""
+    evals = [r for r in read_metrics(metrics_file) if "eval/pass_rate" in r]
+    table = Table(title="held-out evaluation (greedy)")
+    for column in ("", "step", "pass rate", "mean reward"):
+        table.add_column(column)
+    for label, row in (("before RL", evals[0]), ("after RL", evals[-1])) if evals else ():
+        table.add_row(label, str(int(row["step"])), f"{row['eval/pass_rate']:.3f}",
+                      f"{row['eval/mean_reward']:.3f}")
+    return table
+
+
+def trainer_main(cfg: RunConfig, dirs: RunLayout) -> int:
+    groups = init_parallel(cfg.parallel, seed=cfg.rl.seed)
+    try:
+        tok = ByteTokenizer(cfg.model.vocab_size)
+        records, held_out, _ = load_prompts(cfg.data)
+        weights = sft_phase(cfg, groups, tok, records, dirs.sft_weights) if cfg.sft.steps else None
+        objective_cfg = from_dict(objective_config_class(cfg.rl.objective),
+                                  cfg.rl.objective_args, "rl.objective_args")
+        policy = Policy.build(
+            cfg.model, cfg.parallel, cfg.optim, build_objective(cfg.rl.objective, objective_cfg),
+            groups, PolicyConfig(token_budget=cfg.rl.token_budget), weights=weights,
+        )
+        ctl = _controller(cfg, dirs.root, records, held_out, tok) if groups.rank == 0 else None
+        sync = FilesystemWeightSync(dirs.weights, ctl.engines if ctl else None,
+                                    keep=cfg.rl.keep_weight_versions)
+        sync.push(policy, 0)  # the servers start from the trainer's weights
+        train(cfg.rl, policy, sync, ctl)
+        if ctl is not None:
+            plot = ctl.logger.close(("reward/mean", "eval/pass_rate"))
+            Console().print(summary_table(ctl.logger.path))
+            Console().print(f"metrics: {ctl.logger.path}" + (f"  plot: {plot}" if plot else ""))
+        return 0
+    finally:
+        destroy_parallel()
