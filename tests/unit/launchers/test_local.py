@@ -51,7 +51,12 @@ server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Health)
 if mode != "silent":
     announce_from_env(os.environ["MOERL_HOST"], server.server_port)
 if mode == "die-later":
-    threading.Timer(1.0, lambda: os._exit(4)).start()
+    # Die once the trainer is running (not on a timer, which races a slow start).
+    def die_when_trainer_ready():
+        while not (pids / "trainer.ready").exists():
+            threading.Event().wait(0.05)
+        os._exit(4)
+    threading.Thread(target=die_when_trainer_ready, daemon=True).start()
 server.serve_forever()
 """
 
