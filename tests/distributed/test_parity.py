@@ -75,10 +75,18 @@ def test_layout_matches_single_process(
     got = _run(ranks, layout, ckpt, tmp_path / f"{name}.json")
     dloss = [abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True)]
     dnorm = [abs(a - b) for a, b in zip(got["grad_norms"], ref["grad_norms"], strict=True)]
-    print(f"{name}: max|dloss| {max(dloss):.2e}  max|dgrad-norm| {max(dnorm):.2e}  "
-          f"losses {got['losses']}")
-    assert max(dloss) < TOLERANCE, (name, got["losses"], ref["losses"])
-    assert max(dnorm) < TOLERANCE, (name, got["grad_norms"], ref["grad_norms"])
+    print(f"{name}: |dloss| {[f'{d:.1e}' for d in dloss]}  |dgrad-norm| "
+          f"{[f'{d:.1e}' for d in dnorm]}")
+    # Strict: the first loss, the first gradient norm, and the loss after one optimizer
+    # step. After that, Adam (whose first step moves every weight by ~lr * sign(g))
+    # turns float32 summation-order noise in near-zero gradient entries into
+    # full-size updates, so later gradient norms get a relative bound; a real gradient
+    # bug is far larger (the MLA RoPE-key bug moves the grad norm by ~2e-2).
+    assert max(dloss[:2]) < TOLERANCE, (name, got["losses"], ref["losses"])
+    assert dnorm[0] < TOLERANCE, (name, got["grad_norms"], ref["grad_norms"])
+    for step in (1, 2):
+        assert dnorm[step] < 1e-4 * ref["grad_norms"][step], (name, got["grad_norms"])
+    assert dloss[2] < 1e-4 * ref["losses"][2], (name, got["losses"], ref["losses"])
 
 
 @pytest.mark.distributed

@@ -122,6 +122,8 @@ def build_transformer_config(
         kwargs.update(fp8="e4m3" if fp8 in ("blockwise", "mxfp8") else "hybrid", fp8_recipe=fp8)
     kwargs.update(overrides)
     if arch.attention == "mla":
+        # DeepSeek-V3-family MLA normalises the q and kv latents (q_a / kv_a layernorm).
+        kwargs.setdefault("qk_layernorm", True)
         return MLATransformerConfig(
             **kwargs,
             q_lora_rank=arch.q_lora_rank,
