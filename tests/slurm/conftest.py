@@ -241,6 +241,8 @@ def slurm_cloud(_munge: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "NodeName=gpu[001-256] CPUs=224 RealMemory=2000000 Gres=gpu:8 State=CLOUD",
         "NodeName=cpu[001-064] CPUs=192 RealMemory=750000 State=CLOUD",
         "PartitionName=h100 Nodes=gpu[001-256] Default=YES MaxTime=INFINITE State=UP",
+        # configs/cluster/h100.yaml (and the rendered recipes) name the GPU partition gpu
+        "PartitionName=gpu Nodes=gpu[001-256] MaxTime=INFINITE State=UP",
         "PartitionName=cpu Nodes=cpu[001-064] MaxTime=INFINITE State=UP",
     ]  # fmt: skip
     conf = _write_conf(root, lines, [f"NodeName=gpu[001-256] Name=gpu File={dev}/nvidia[0-7]"])

@@ -133,19 +133,41 @@ def judge(
     return Candidate(layout, memory, step_time(arch, layout, run, cluster), ok, uneven, reason)
 
 
-def plan(
+@dataclass
+class PlanResult:
+    """What a search found: the fitting layouts fastest first, and the closest miss."""
+
+    fitting: list[Candidate]
+    considered: int
+    closest_miss: Candidate | None
+    """the rejected layout needing the least memory; its reason says why nothing
+    fits when `fitting` is empty (e.g. at a sequence length beyond the cluster)."""
+
+
+def search_layouts(
     arch: MoEArch, cluster: ClusterSpec, run: RunSettings, search: SearchSettings
-) -> tuple[list[Candidate], int]:
-    """(fitting candidates fastest first, number of valid layouts considered)."""
+) -> PlanResult:
+    """Judge every valid layout; keep the fitting ones and the least-memory rejection."""
     fitting: list[Candidate] = []
+    closest: Candidate | None = None
     considered = 0
     for layout, uneven in enumerate_layouts(arch, cluster, run, search):
         considered += 1
         candidate = judge(arch, layout, run, cluster, search, uneven)
         if candidate.fits:
             fitting.append(candidate)
+        elif closest is None or candidate.memory.total < closest.memory.total:
+            closest = candidate
     fitting.sort(key=lambda c: (c.time.total, c.memory.total))
-    return fitting, considered
+    return PlanResult(fitting, considered, closest)
+
+
+def plan(
+    arch: MoEArch, cluster: ClusterSpec, run: RunSettings, search: SearchSettings
+) -> tuple[list[Candidate], int]:
+    """(fitting candidates fastest first, number of valid layouts considered)."""
+    result = search_layouts(arch, cluster, run, search)
+    return result.fitting, result.considered
 
 
 def plan_main(overrides: list[str], as_json: bool) -> int:

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from moerl.models.arch import get_preset
 from moerl.parallel.memory import GiB
-from moerl.parallel.plan import Candidate, PlanConfig, plan
+from moerl.parallel.plan import Candidate, PlanConfig, search_layouts
 from moerl.parallel.rollout_fit import EngineFit, rollout_options
 from moerl.typed_config import ConfigError, from_dict, to_dict
 
@@ -108,7 +108,8 @@ def report(config: PlanConfig, as_json: bool) -> int:
     """Run the search and print the result; 1 when no layout fits."""
     arch = get_preset(config.model)
     cluster, search = config.cluster, config.search
-    fitting, considered = plan(arch, cluster, config.run, search)
+    result = search_layouts(arch, cluster, config.run, search)
+    fitting, considered, miss = result.fitting, result.considered, result.closest_miss
     best = fitting[: search.top]
     options = rollout_options(arch, config.rollout, cluster.gpus_per_node, cluster.gpu_memory_gb)
     if as_json:
@@ -116,6 +117,7 @@ def report(config: PlanConfig, as_json: bool) -> int:
             "config": to_dict(config),
             "considered": considered,
             "fitting": len(fitting),
+            "closest_miss": candidate_dict(miss) if miss is not None and not fitting else None,
             "best": [candidate_dict(c) for c in best],
             "rollout": [to_dict(o) for o in options],
         }, indent=2))
@@ -126,6 +128,8 @@ def report(config: PlanConfig, as_json: bool) -> int:
     if not best:
         console.print(f"no layout of {considered} fits {cluster.gpu_memory_gb:g} GiB with a "
                       f"{search.safety_margin:.0%} margin; add nodes or recompute more")
+        if miss is not None:
+            console.print(f"closest: {miss.layout.describe()}: {miss.reason}")
         return 1
     console.print(_layouts_table(config, best, considered))
     console.print(_memory_table(best[0], cluster.gpu_memory_gb * (1 - search.safety_margin)))

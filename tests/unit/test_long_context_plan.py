@@ -1,0 +1,79 @@
+"""Long-context planning for Kimi-K2 on 128 H100 nodes (full recompute, fp8, CP).
+
+128K fits with CP > 1, trainer and rollout engines both; 256K fits too; 1M does not,
+and the reason names the largest memory term of the closest layout. The shipped
+long-context recipe is the longest length that fits.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import yaml
+
+from moerl.launchers.recipes import REPO
+from moerl.models.arch import get_preset
+from moerl.parallel.cost import ClusterSpec
+from moerl.parallel.memory import RunSettings
+from moerl.parallel.plan import PlanResult, SearchSettings, search_layouts
+from moerl.parallel.rollout_fit import RolloutSettings, rollout_options
+
+K = 1024
+LENGTHS = (128 * K, 256 * K, 1024 * K)
+
+
+@cache
+def _plan(seq_length: int) -> PlanResult:
+    run = RunSettings(
+        seq_length=seq_length, global_batch_size=128, precision="fp8", recompute="full"
+    )
+    return search_layouts(get_preset("kimi-k2"), ClusterSpec(nodes=128), run, SearchSettings())
+
+
+def _rollout_fits(seq_length: int) -> bool:
+    rollout = RolloutSettings(nodes=32, concurrent_sequences=64, context_length=seq_length)
+    return any(o.fits for o in rollout_options(get_preset("kimi-k2"), rollout, 8, 80.0))
+
+
+def test_128k_fits_with_context_parallelism() -> None:
+    result = _plan(128 * K)
+    assert result.fitting, result.closest_miss
+    best = result.fitting[0]
+    assert best.layout.cp > 1
+    assert best.memory.total <= 80 * 0.9 * 1024**3
+    assert _rollout_fits(128 * K)
+
+
+@pytest.mark.parametrize("seq_length", [256 * K, 1024 * K])
+def test_longer_contexts_have_a_verdict(seq_length: int) -> None:
+    result = _plan(seq_length)
+    if result.fitting:
+        assert _rollout_fits(seq_length)
+        return
+    miss = result.closest_miss
+    assert miss is not None and not miss.fits
+    largest = max(miss.memory.gib().items(), key=lambda kv: kv[1])[0]
+    assert f"largest: {largest} " in miss.reason, miss.reason
+
+
+def test_verdicts() -> None:
+    assert [bool(_plan(s).fitting) for s in LENGTHS] == [True, True, False]
+
+
+def test_recipe_is_the_longest_fitting_length() -> None:
+    data = yaml.safe_load((REPO / "configs/experiment/kimi_k2_long_context_h100.yaml").read_text())
+    longest = max(s for s in LENGTHS if _plan(s).fitting)
+    assert data["seq_length"] == data["run"]["seq_length"] == longest
+    assert data["rollout"]["context_length"] == longest
+    layout = data["parallel"]
+    names = {c.layout.describe() for c in _plan(longest).fitting}
+    best = _plan(longest).fitting[0].layout
+    assert (
+        layout["tp"],
+        layout["pp"],
+        layout["vpp"],
+        layout["ep"],
+        layout["cp"],
+        layout["dp"],
+    ) == (best.tp, best.pp, best.vpp, best.ep, best.cp, best.dp), names
