@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from moerl.launchers.stages import RunPlan, StageSpec
+from moerl.rl.rollout.backends import check_engine, engine_argv, launch_env
 
 
 @dataclass
@@ -23,6 +24,15 @@ class RolloutStageConfig:
     request_timeout_s: float = 600.0
     speculative: Literal["none", "ngram", "mtp"] = "none"  # draft-and-verify decoding
     num_draft_tokens: int = 4
+    engine: str = "moerl"  # moerl | vllm | sglang (see rl.rollout.backends)
+    # vllm / sglang only: they serve Hugging Face weights (`moerl hf export`).
+    hf_model_dir: str | None = None
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+    gpu_memory_utilization: float = 0.85
 
 
 @dataclass
@@ -75,18 +85,25 @@ def build_run_plan(
         cpus=max(launch.trainer_ranks, 1),
         env=trainer_env,
     )
-    rollout_stage = StageSpec(
-        name="rollout",
-        command=_cli(
+    if check_engine(rollout.engine) == "moerl":
+        rollout_command = _cli(
             launch, "serve", "rollout", "--host", "{host}", "--port", "{port}",
             "--arch-file", str(arch_file), "--max-batch", str(rollout.max_batch),
             "--backend", rollout.backend, "--speculative", rollout.speculative,
             "--num-draft-tokens", str(rollout.num_draft_tokens),
-        ),
+        )
+    else:
+        # The wrapper announces the engine in the rendezvous dir once it is healthy.
+        python = launch.python or sys.executable
+        rollout_command = (python, "-m", "moerl.rl.rollout.backends", "--",
+                           *engine_argv(rollout, python))
+    rollout_stage = StageSpec(
+        name="rollout",
+        command=rollout_command,
         replicas=rollout.servers,
         nodes=rollout.nodes,
         gpus_per_node=rollout.gpus_per_node,
-        env={"OMP_NUM_THREADS": "1"},
+        env={"OMP_NUM_THREADS": "1", **launch_env(rollout.engine)},
     )
     reward_stage = StageSpec(
         name="reward",

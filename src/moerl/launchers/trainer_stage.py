@@ -58,7 +58,8 @@ def _controller(cfg: RunConfig, root: Path, records: list[PromptRecord],
                 held_out: list[PromptRecord], tok: ByteTokenizer) -> Controller:
     rendezvous = Path(os.environ.get(ENV_RENDEZVOUS, root / "rendezvous"))
     engines = RolloutClient(rendezvous_dir=rendezvous,
-                            config=ClientConfig(timeout_s=cfg.rollout.request_timeout_s))
+                            config=ClientConfig(timeout_s=cfg.rollout.request_timeout_s),
+                            engine=cfg.rollout.engine)
     judges = RewardClient(RewardClientConfig(
         rendezvous_dir=rendezvous, batch_size=cfg.rewards.batch_size,
         timeout_s=cfg.rewards.timeout_s), seed=cfg.rl.seed)

@@ -40,7 +40,7 @@ from moerl.parallel.layout import ParallelLayout
 from moerl.rl.forward import ForwardHooks, forward_logprobs, run_schedule
 from moerl.rl.logprobs import vocab_parallel_logprobs
 from moerl.rl.losses import Denominator, PolicyLossInputs, PolicyObjective, global_denominator
-from moerl.rl.policy_metrics import reduce_reports
+from moerl.rl.policy_metrics import logprob_gap, reduce_reports
 from moerl.rl.routing import ExpertLoad, RoutingReplay
 from moerl.trainer.optimizer import OptimConfig, Trainable, build_optimizer
 
@@ -73,6 +73,7 @@ class _Prepared:
     old: list[torch.Tensor]  # (B, T) each
     ref: list[torch.Tensor] | None
     denom: Denominator
+    gap: dict[str, float]  # engine vs trainer logprobs (empty without rollout logprobs)
 
 
 class Policy:
@@ -199,10 +200,13 @@ class Policy:
                 raise ValueError("recompute_old_logprobs=False needs rollout logprobs")
             old = [mb.rollout_logprobs for mb in micro]  # type: ignore[misc]
         ref = [lp for lp, _ in self.logprobs(micro, reference=True)] if self.reference else None
-        denom = global_denominator(
-            [mb.loss_mask for mb in micro], self.cfg.norm_len, group=self.groups.dp_group
-        )
-        return _Prepared(micro, old, ref, denom)
+        masks = [mb.loss_mask for mb in micro]
+        denom = global_denominator(masks, self.cfg.norm_len, group=self.groups.dp_group)
+        # pack() gives every rank rollout logprobs or none, so all ranks join the reduce.
+        rollout = [mb.rollout_logprobs for mb in micro if mb.rollout_logprobs is not None]
+        gap = logprob_gap(rollout, old, masks, self.groups.dp_group) if len(rollout) == len(
+            micro) else {}
+        return _Prepared(micro, old, ref, denom, gap)
 
     def _step(self, p: _Prepared) -> dict[str, float]:
         reports = self.forward_backward(p)
@@ -211,6 +215,7 @@ class Policy:
             self.trainable.scheduler.step(increment=1)
         metrics = reduce_reports(reports, self.groups.dp_group)
         metrics.update(self.load.metrics())
+        metrics.update(p.gap)
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=float(self.trainable.optimizer.param_groups[0]["lr"]),
@@ -287,7 +292,8 @@ def _average(steps: list[dict[str, float]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for key in steps[0]:
         values = [s[key] for s in steps if key in s]
-        out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+        top = key.endswith(("_max", "/max_abs"))
+        out[key] = max(values) if top else sum(values) / len(values)
     out["optimizer_steps"] = float(len(steps))
     return out
 

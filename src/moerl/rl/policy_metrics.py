@@ -52,3 +52,35 @@ def _device(group: dist.ProcessGroup) -> torch.device:
     if dist.get_backend(group) == dist.Backend.NCCL:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def logprob_gap(
+    rollout: list[torch.Tensor], trainer: list[torch.Tensor], masks: list[torch.Tensor],
+    dp_group: dist.ProcessGroup,
+) -> dict[str, float]:
+    """How far the engine's logprobs are from the trainer's for the same tokens.
+
+    Over loss-mask tokens of all micro-batches and data-parallel ranks: mean and max of
+    |rollout - trainer|, and the mean of exp(rollout) - exp(trainer) (its sign says
+    which side gives the sampled tokens more probability). Empty when no token counts.
+    """
+    total = torch.zeros(3, dtype=torch.float64)  # sum |diff|, sum prob diff, tokens
+    top = torch.zeros(1, dtype=torch.float64)
+    for r, t, m in zip(rollout, trainer, masks, strict=True):
+        keep = m.detach().cpu() > 0
+        r64, t64 = r.detach().cpu().double()[keep], t.detach().cpu().double()[keep]
+        diff = (r64 - t64).abs()
+        total += torch.stack([diff.sum(), (r64.exp() - t64.exp()).sum(),
+                              torch.tensor(float(diff.numel()), dtype=torch.float64)])
+        if diff.numel():
+            top = torch.maximum(top, diff.max().reshape(1))
+    if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+        device = _device(dp_group)
+        total, top = total.to(device), top.to(device)
+        dist.all_reduce(total, group=dp_group)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=dp_group)
+    abs_sum, prob_sum, count = total.tolist()
+    if count == 0:
+        return {}
+    return {"logprob_gap/mean_abs": abs_sum / count, "logprob_gap/max_abs": float(top.item()),
+            "logprob_gap/prob_diff": prob_sum / count}

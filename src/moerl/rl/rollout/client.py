@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 
 from moerl.launchers.stages import read_endpoints
+from moerl.rl.rollout.backends import check_engine, weight_update_calls
 from moerl.rl.rollout.types import RequestError, Sample, SamplingParams, SpeculationStats
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,9 @@ def discover(rendezvous_dir: str | Path) -> list[str]:
 class RolloutClient:
     def __init__(self, urls: Sequence[str] = (), *, rendezvous_dir: str | Path | None = None,
                  config: ClientConfig | None = None,
-                 transport: httpx.BaseTransport | None = None) -> None:
+                 transport: httpx.BaseTransport | None = None, engine: str = "moerl") -> None:
         self.config = config or ClientConfig()
+        self.engine = check_engine(engine)  # which server kind: how weight updates are asked
         found = list(urls) + (discover(rendezvous_dir) if rendezvous_dir else [])
         self.urls = list(dict.fromkeys(u.rstrip("/") for u in found))
         if not self.urls:
@@ -190,25 +192,39 @@ class RolloutClient:
     # -- weights --------------------------------------------------------------------------
 
     def update_weights(self, path: str | Path, version: int) -> None:
-        """Load `path` as `version` on every live server; raise naming those that failed."""
+        """Load `path` as `version` on every live server; raise naming those that failed.
+
+        The requests depend on the engine (rl.rollout.backends); vLLM and SGLang need
+        `path` to hold Hugging Face weights.
+        """
         live = [u for u in self.urls if u not in self.dead]
-        body = {"path": str(path), "version": version}
+        calls = weight_update_calls(self.engine, path, version)
 
         def push(url: str) -> str | None:
-            try:
-                reply = self._http.post(f"{url}/update_weights", json=body)
-            except httpx.TransportError as exc:
-                self._mark(url, dead=True, why=f"weight update: {exc}")
-                return f"{url}: {type(exc).__name__}"
-            if reply.status_code == 200:
-                return None
-            return f"{url}: HTTP {reply.status_code} {reply.text}"
+            for call in calls:
+                try:
+                    reply = self._http.post(f"{url}{call.path}", json=call.body)
+                except httpx.TransportError as exc:
+                    self._mark(url, dead=True, why=f"weight update: {exc}")
+                    return f"{url}: {type(exc).__name__}"
+                if reply.status_code != 200 or _refused(reply):
+                    return f"{url}{call.path}: HTTP {reply.status_code} {reply.text}"
+            return None
 
         with ThreadPoolExecutor(max(1, len(live))) as pool:
             failures = [f for f in pool.map(push, live) if f]
         if failures or not live:
             why = failures or "no live server"
             raise RolloutUnavailable(f"weight update to version {version} failed: {why}")
+
+
+def _refused(reply: httpx.Response) -> bool:
+    """SGLang answers a failed reload with `"success": false` in the body."""
+    try:
+        body = reply.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("success") is False
 
 
 def parse_samples(reply: dict[str, Any]) -> list[Sample]:

@@ -1,0 +1,81 @@
+"""Engine vs trainer logprobs: the `logprob_gap/*` metrics of the policy update."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+from megatron.core.transformer.moe import moe_logging
+
+from moerl.data.rl_batch import RLSample
+from moerl.models.arch import TINY
+from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
+from moerl.parallel.layout import ParallelLayout
+from moerl.rl.losses import GRPOConfig, build_objective
+from moerl.rl.policy import Policy, PolicyConfig
+from moerl.trainer.optimizer import OptimConfig
+
+
+@pytest.fixture(scope="module")
+def policy() -> Iterator[Policy]:
+    groups: ParallelGroups = init_parallel(ParallelLayout(), seed=3)
+    moe_logging.destroy_moe_metrics_tracker()
+    torch.manual_seed(11)
+    yield Policy.build(TINY, groups.layout, OptimConfig(lr=1e-3, min_lr=0.0, clip_grad=0.0),
+                       build_objective("grpo", GRPOConfig(kl_coef=0.0)), groups,
+                       PolicyConfig(token_budget=32, use_reference=False))
+    destroy_parallel()
+
+
+def _samples(policy: Policy, shift: float) -> list[RLSample]:
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(5):  # several micro-batches at token_budget=32
+        p, c = 3 + i % 3, 4 + i % 4
+        samples.append(RLSample(prompt_ids=torch.randint(TINY.vocab_size, (p,), generator=gen),
+                                completion_ids=torch.randint(TINY.vocab_size, (c,), generator=gen),
+                                advantage=float(i % 2) - 0.5))
+    # The last completion token of sample 0 is masked out: its huge gap must not count.
+    samples[0] = dataclasses.replace(samples[0], loss_mask=torch.tensor([1.0, 1.0, 1.0, 0.0]))
+    trainer = policy.completion_logprobs(samples)
+    out = []
+    for s, lp in zip(samples, trainer, strict=True):
+        engine = lp + shift
+        if s.loss_mask is not None:
+            engine[-1] -= 5.0
+        out.append(dataclasses.replace(s, rollout_logprobs=engine))
+    return out
+
+
+def test_identical_logprobs_give_no_gap(policy: Policy) -> None:
+    prepared = policy._prepare(_samples(policy, 0.0))
+    assert len(prepared.micro) > 1
+    gap = prepared.gap
+    assert gap["logprob_gap/mean_abs"] < 1e-5
+    assert gap["logprob_gap/max_abs"] < 1e-5
+    assert abs(gap["logprob_gap/prob_diff"]) < 1e-5
+
+
+def test_shifted_logprobs_give_that_gap(policy: Policy) -> None:
+    samples = _samples(policy, 0.1)
+    gap = policy._prepare(samples).gap
+    assert gap["logprob_gap/mean_abs"] == pytest.approx(0.1, abs=1e-5)
+    assert gap["logprob_gap/max_abs"] == pytest.approx(0.1, abs=1e-5)
+    # exp(lp + 0.1) - exp(lp) = (e^0.1 - 1) p, averaged over the counted tokens.
+    trainer = policy.completion_logprobs(samples)
+    probs = torch.cat([(lp[:-1] if s.loss_mask is not None else lp).exp()
+                       for s, lp in zip(samples, trainer, strict=True)])
+    want = (math.exp(0.1) - 1) * float(probs.double().mean())
+    assert gap["logprob_gap/prob_diff"] == pytest.approx(want, rel=1e-4)
+    # The update reports them (the loop logs them as train/logprob_gap/...).
+    metrics = policy.update(samples)
+    assert metrics["logprob_gap/mean_abs"] == pytest.approx(0.1, abs=1e-5)
+    assert {"logprob_gap/max_abs", "logprob_gap/prob_diff"} <= set(metrics)
+
+
+def test_no_rollout_logprobs_no_gap(policy: Policy) -> None:
+    samples = [dataclasses.replace(s, rollout_logprobs=None) for s in _samples(policy, 0.0)]
+    assert policy._prepare(samples).gap == {}
