@@ -38,6 +38,17 @@ def test_kimi_k2_on_128_nodes_finds_fitting_layouts(
     assert times == sorted(times)
 
 
+@pytest.mark.parametrize(("arch", "nodes"), [(DEEPSEEK_V3, 128), (KIMI_K2, 256)],
+                         ids=["deepseek-v3-128", "kimi-k2-256"])
+def test_large_clusters_get_fitting_layouts(arch: object, nodes: int) -> None:
+    fitting, _ = plan(arch, ClusterSpec(nodes=nodes), RunSettings(seq_length=4096),  # type: ignore[arg-type]
+                      SEARCH)
+    assert fitting
+    best = fitting[0]
+    assert best.layout.world_size == nodes * 8
+    assert best.memory.total <= 80 * GiB * (1 - SEARCH.safety_margin)
+
+
 def test_every_returned_layout_passes_layout_check(
     kimi_128_nodes: tuple[list[Candidate], int],
 ) -> None:

@@ -94,7 +94,8 @@ def trainer_main(cfg: RunConfig, dirs: RunLayout) -> int:
                                   cfg.rl.objective_args, "rl.objective_args")
         policy = Policy.build(
             cfg.model, cfg.parallel, cfg.optim, build_objective(cfg.rl.objective, objective_cfg),
-            groups, PolicyConfig(token_budget=cfg.rl.token_budget), weights=weights,
+            groups, PolicyConfig(token_budget=cfg.rl.token_budget, aux_losses=cfg.rl.aux_losses),
+            weights=weights,
         )
         ctl = _controller(cfg, dirs.root, records, held_out, tok) if groups.rank == 0 else None
         sync = FilesystemWeightSync(dirs.weights, ctl.engines if ctl else None,

@@ -51,6 +51,9 @@ class RLConfig:
     eval_interval: int = 10  # steps between held-out evaluations (0: only first and last)
     eval_temperature: float = 0.0  # greedy
     keep_weight_versions: int = 2  # published weight dirs kept on disk
+    # Keep training the MoE balance loss and the MTP head (DeepSeek-V3's MTP objective)
+    # alongside the policy, e.g. so MTP drafts stay accepted by a moving policy.
+    aux_losses: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
