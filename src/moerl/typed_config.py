@@ -94,8 +94,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         try:
             return tp(value)
         except ValueError:
-            allowed = ", ".join(repr(m.value) for m in tp)
-            raise ConfigError(f"{path}: {value!r} is not one of {allowed}") from None
+            members = ", ".join(repr(m.value) for m in tp)
+            raise ConfigError(f"{path}: {value!r} is not one of {members}") from None
     return _convert_scalar(tp, value, path)
 
 
