@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from moerl.checkpoint import CheckpointConfig
 from moerl.config import compose
 from moerl.models.arch import MoEArch
 from moerl.parallel.layout import ParallelLayout
@@ -37,6 +38,7 @@ class LMRunConfig:
     parallel: ParallelLayout
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: LMTrainConfig = field(default_factory=LMTrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 def layout_for_world(raw: dict[str, Any]) -> ParallelLayout:
@@ -82,6 +84,7 @@ def run_lm(overrides: list[str]) -> int:
     losses = train_lm(
         cfg.model, cfg.parallel, cfg.optim, cfg.train.steps, cfg.train.global_batch,
         cfg.train.micro_batch, cfg.train.seq_length, seed=cfg.train.seed,
+        checkpoint=cfg.checkpoint,
     )
     if int(os.environ.get("RANK", "0")) == 0 and losses:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")

@@ -27,7 +27,7 @@ class WeightsError(RuntimeError):
     """A weights checkpoint that exists but cannot be read (truncated, tampered, foreign)."""
 
 
-def _unwrap(chunk: torch.nn.Module) -> Any:
+def unwrap_model(chunk: torch.nn.Module) -> Any:
     """The GPTModel inside Megatron's DDP (and Float16Module) wrappers."""
     inner: Any = chunk
     while hasattr(inner, "module"):
@@ -35,12 +35,12 @@ def _unwrap(chunk: torch.nn.Module) -> Any:
     return inner
 
 
-def _sharded_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+def sharded_model_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     if len(chunks) == 1:
-        return {"model": _unwrap(chunks[0]).sharded_state_dict()}
+        return {"model": unwrap_model(chunks[0]).sharded_state_dict()}
     # Virtual pipeline stages: Megatron names them model0, model1, ...; the tensors
     # inside carry global layer numbers, so the dict keys do not tie the layout.
-    return {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+    return {f"model{i}": unwrap_model(c).sharded_state_dict() for i, c in enumerate(chunks)}
 
 
 def _rank() -> int:
@@ -62,7 +62,7 @@ def save_weights(chunks: list[torch.nn.Module], directory: str | Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    dist_checkpointing.save(_sharded_state(chunks), str(tmp))
+    dist_checkpointing.save(sharded_model_state(chunks), str(tmp))
     _barrier()
     if _rank() == 0:
         (tmp / _MARKER).write_text("ok\n")
@@ -83,7 +83,7 @@ def load_weights(chunks: list[torch.nn.Module], directory: str | Path) -> None:
             f"{path} is not a complete weights checkpoint (missing {_MARKER}); it was "
             "never written or its write did not finish"
         )
-    template = _sharded_state(chunks)
+    template = sharded_model_state(chunks)
     try:
         state = dist_checkpointing.load(template, str(path))
     except (KeyboardInterrupt, SystemExit):
@@ -91,4 +91,4 @@ def load_weights(chunks: list[torch.nn.Module], directory: str | Path) -> None:
     except BaseException as err:  # torch's CheckpointException derives from BaseException
         raise WeightsError(f"could not read weights from {path}: {err}") from err
     for key, chunk in zip(template, chunks, strict=True):
-        _unwrap(chunk).load_state_dict(state[key], strict=True)
+        unwrap_model(chunk).load_state_dict(state[key], strict=True)

@@ -13,12 +13,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from moerl.checkpoint import CheckpointConfig, Checkpointer, Fingerprints
 from moerl.data.synthetic import Batch, SyntheticCorpus, step_batches
 from moerl.models.arch import MoEArch
 from moerl.models.build import build_model, te_available
 from moerl.parallel.context import split_batch
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
+from moerl.signals import STOP_SIGNALS, StopOnSignal
 from moerl.trainer.optimizer import OptimConfig, build_optimizer
 from moerl.trainer.step import StepMetrics, train_step
 
@@ -54,8 +56,13 @@ def train_lm(
     seq_length: int,
     seed: int = 0,
     progress: bool = True,
+    checkpoint: CheckpointConfig | None = None,
 ) -> list[float]:
-    """Train for `steps` optimizer steps; the loss of each step (on every rank)."""
+    """Train for `steps` optimizer steps; the loss of each step run (on every rank).
+
+    With `checkpoint`: resume as it says, save on its interval and at the end, and
+    on SIGTERM/SIGUSR1 save and exit with the requeue code (SystemExit).
+    """
     groups = init_parallel(layout, seed=seed)
     try:
         layout.check(arch, groups.world_size, groups.backend, te_available())
@@ -63,15 +70,22 @@ def train_lm(
         trainable = build_optimizer(chunks, optim, layout)
         corpus = SyntheticCorpus(arch.vocab_size, seq_length, seed=seed)
         num_micro = global_batch // (micro_batch * layout.dp)
+        ckpt = None
+        if checkpoint is not None and checkpoint.enabled:
+            run = (optim, global_batch, micro_batch)
+            ckpt = Checkpointer(checkpoint, Fingerprints.of(arch, corpus, run))
+        resumed = ckpt.load(trainable, require=("data",)) if ckpt else None
+        start = resumed.step if resumed else 0  # the corpus is indexed by step
         show = progress and groups.is_logging_rank
         losses: list[float] = []
-        with Progress(
+        with StopOnSignal(STOP_SIGNALS if ckpt else ()) as stop, Progress(
             TextColumn("[bold]{task.description}"), BarColumn(),
             TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
             TimeElapsedColumn(), disable=not show,
         ) as bar:
-            task = bar.add_task(f"{arch.name} {layout.describe()}", total=steps, info="")
-            for step in range(steps):
+            task = bar.add_task(f"{arch.name} {layout.describe()}", total=steps, info="",
+                                completed=start)
+            for step in range(start, steps):
                 metrics: StepMetrics = train_step(
                     trainable.model,
                     trainable.optimizer,
@@ -86,6 +100,11 @@ def train_lm(
                 bar.update(task, advance=1, info=info)
                 if show:
                     bar.console.print(f"step {step + 1:3d}  {info}  lr {metrics.lr:.2e}")
+                if ckpt:
+                    data = {"next_step": step + 1, "samples_consumed": (step + 1) * global_batch}
+                    ckpt.end_of_step(step + 1, trainable, {"data": data}, stop, step + 1 == steps)
+        if ckpt:
+            ckpt.close()
         return losses
     finally:
         if dist.is_initialized():

@@ -1,0 +1,62 @@
+"""Stop cleanly on SIGTERM / SIGUSR1: finish the step, checkpoint, exit for requeue.
+
+SLURM sends SIGUSR1 (`--signal=USR1@<seconds>`) some time before the time limit
+and SIGTERM at preemption. The handler only records the signal: the training
+loop asks `agreed()` after each step, which all-reduces the flag (max) over the
+ranks, so every rank stops after the same step even if the signal reached only
+some of them, or reached them during different steps. The loop then checkpoints
+and exits with `launchers.stages.REQUEUE_EXIT_CODE`, which makes the SLURM
+script requeue the job.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopOnSignal:
+    """Context manager: while inside, the stop signals set a flag instead of killing."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
+        self.signals = signals
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def __enter__(self) -> StopOnSignal:
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signal.Signals(signum)
+
+    @property
+    def requested(self) -> bool:
+        """This rank has received a stop signal (no communication)."""
+        return self.received is not None
+
+    def agreed(self, group: dist.ProcessGroup | None = None) -> bool:
+        """Whether any rank has been signalled (collective: every rank must call it)."""
+        flag = torch.tensor([int(self.requested)], dtype=torch.int32)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            if torch.cuda.is_available():
+                flag = flag.cuda()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        stop = bool(flag.item())
+        if stop and (not dist.is_initialized() or dist.get_rank() == 0):
+            name = self.received.name if self.received else "a stop signal on another rank"
+            print(f"stopping after this step: {name}", file=sys.stderr, flush=True)
+        return stop

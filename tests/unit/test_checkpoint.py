@@ -1,0 +1,171 @@
+"""The checkpoint machinery that needs no model: manifest, directory protocol,
+cleanup, JSON state, RNG states, fingerprints and the stop-signal flag."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moerl.checkpoint import CheckpointConfig, Checkpointer, CheckpointError, Fingerprints
+from moerl.checkpointing.config import check_json, fingerprint
+from moerl.checkpointing.manifest import MANIFEST, verify_manifest, write_manifest
+from moerl.checkpointing.rng import capture_rng, restore_rng
+from moerl.checkpointing.sharded import check_optimizer_compatible
+from moerl.checkpointing.store import (
+    cleanup,
+    complete_checkpoints,
+    partial_dir,
+    publish,
+    read_latest,
+    step_name,
+)
+from moerl.signals import StopOnSignal
+
+
+def _checkpoint(root: Path, step: int, latest: bool = True) -> Path:
+    """A complete checkpoint directory, published the way a save does it."""
+    tmp = partial_dir(root, step)
+    (tmp / "dist").mkdir(parents=True, exist_ok=True)
+    (tmp / "dist" / "__0_0.distcp").write_bytes(os.urandom(4096))
+    (tmp / "state.json").write_text(json.dumps({"step": step}))
+    write_manifest(tmp)
+    final = root / step_name(step)
+    if latest:
+        publish(tmp, final)
+    else:
+        os.replace(tmp, final)
+    return final
+
+
+def test_manifest_accepts_the_written_checkpoint(tmp_path: Path) -> None:
+    verify_manifest(_checkpoint(tmp_path, 1))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("truncate", "truncated"),
+        ("flip", "sha256 differs"),
+        ("delete", "missing"),
+        ("extra", "not in the manifest"),
+        ("no-manifest", "the save never finished"),
+    ],
+)
+def test_damaged_checkpoint_is_refused(tmp_path: Path, damage: str, message: str) -> None:
+    path = _checkpoint(tmp_path, 1)
+    shard = path / "dist" / "__0_0.distcp"
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-1])
+    elif damage == "flip":
+        data = bytearray(shard.read_bytes())
+        data[100] ^= 0x40
+        shard.write_bytes(bytes(data))
+    elif damage == "delete":
+        shard.unlink()
+    elif damage == "extra":
+        (path / "dist" / "stray.bin").write_bytes(b"x")
+    else:
+        (path / MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match=message):
+        verify_manifest(path)
+
+
+def test_publish_moves_latest_only_after_the_rename(tmp_path: Path) -> None:
+    _checkpoint(tmp_path, 2)
+    assert read_latest(tmp_path) == tmp_path / "step_00000002"
+    # A save killed before its rename: invisible, `latest` unchanged.
+    (partial_dir(tmp_path, 4) / "dist").mkdir(parents=True)
+    assert read_latest(tmp_path) == tmp_path / "step_00000002"
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000002"]
+    _checkpoint(tmp_path, 4)
+    assert (tmp_path / "latest").read_text() == "step_00000004\n"
+
+
+def test_cleanup_keeps_last_k_and_latest(tmp_path: Path) -> None:
+    for step in (1, 2, 3, 4):
+        _checkpoint(tmp_path, step)
+    removed = cleanup(tmp_path, keep_last=2)
+    assert [p.name for p in removed] == ["step_00000001", "step_00000002"]
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
+    # `latest` pointing at an older checkpoint (the newest was renamed in but a
+    # kill came before `latest` moved): both it and the newest survive.
+    _checkpoint(tmp_path, 5, latest=False)
+    cleanup(tmp_path, keep_last=1)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000004", "step_00000005"]
+    assert cleanup(tmp_path, keep_last=0) == []
+
+
+def test_cleanup_never_deletes_the_only_complete_checkpoint(tmp_path: Path) -> None:
+    _checkpoint(tmp_path, 7)
+    (partial_dir(tmp_path, 9) / "dist").mkdir(parents=True)
+    assert cleanup(tmp_path, keep_last=1) == []
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000007"]
+
+
+def _checkpointer(root: Path, resume: str = "auto") -> Checkpointer:
+    return Checkpointer(CheckpointConfig(dir=str(root), resume=resume), Fingerprints("m", "d", "c"))
+
+
+def test_resolve(tmp_path: Path) -> None:
+    assert _checkpointer(tmp_path).resolve() is None  # nothing yet: a fresh start
+    _checkpoint(tmp_path, 3, latest=False)  # killed before the first `latest`
+    assert _checkpointer(tmp_path).resolve() == tmp_path / "step_00000003"
+    _checkpoint(tmp_path, 5)
+    _checkpoint(tmp_path, 6, latest=False)
+    assert _checkpointer(tmp_path).resolve() == tmp_path / "step_00000005"
+    assert _checkpointer(tmp_path, "none").resolve() is None
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        _checkpointer(tmp_path, str(tmp_path / "nope")).resolve()
+
+
+def test_extra_state_must_be_plain_json() -> None:
+    check_json({"data": {"next_step": 3}, "rl": {"pending": [{"ids": [1, 2], "v": 4}]}}, "x")
+    for bad in ({"a": (1, 2)}, {"a": float("nan")}, {"a": object()}, {1: "x"}):
+        with pytest.raises(CheckpointError):
+            check_json(bad, "extra_state")
+
+
+def test_fingerprint_ignores_key_order() -> None:
+    assert fingerprint({"a": 1, "b": [1, 2]}) == fingerprint({"b": [1, 2], "a": 1})
+    assert fingerprint({"a": 1}) != fingerprint({"a": 2})
+
+
+def test_rng_round_trip_through_json() -> None:
+    state = json.loads(json.dumps(capture_rng()))
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    random.random(), np.random.rand(), torch.rand(3)
+    restore_rng(state)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+
+
+def test_optimizer_changes_megatron_cannot_reshard_are_refused() -> None:
+    check_optimizer_compatible({"kind": "distributed", "ep": 2}, {"kind": "distributed", "ep": 4})
+    with pytest.raises(CheckpointError, match=r"EP=1.*weights_only=true"):
+        check_optimizer_compatible({"kind": "distributed", "ep": 1},
+                                   {"kind": "distributed", "ep": 2})
+    with pytest.raises(CheckpointError, match=r"plain.*use_distributed_optimizer"):
+        check_optimizer_compatible({"kind": "distributed", "ep": 1}, {"kind": "plain", "ep": 1})
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_stop_signal_sets_the_flag_and_restores_the_handler(sig: signal.Signals) -> None:
+    before = signal.getsignal(sig)
+    with StopOnSignal() as stop:
+        assert not stop.agreed()
+        os.kill(os.getpid(), sig)
+        assert stop.requested and stop.agreed()
+        assert stop.received == sig
+    assert signal.getsignal(sig) == before
+
+
+def test_config_checks() -> None:
+    with pytest.raises(ValueError, match="keep_last"):
+        CheckpointConfig(dir="x", keep_last=-1)
+    assert not CheckpointConfig().enabled
