@@ -72,17 +72,15 @@ def test_tiny_model_cp2_matches_single_process(arch: str, tmp_path: Path) -> Non
     got = _launch(2, [*common, str(tmp_path / "g2.pt")], tmp_path / "2.json")
     assert ref["weights"] == got["weights"]  # the same initial weights
     dloss = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True))
-    # Relative: after the first Adam step (which moves each weight by ~lr * sign(g))
-    # fp32 rounding (the ring sums the softmax in another order) shows up at ~4e-5 of
-    # the norm with the MLA latent norms; the step-1 gradients of every parameter are
-    # compared exactly below.
+    # Relative: by step 3 Adam has magnified fp32 rounding (the ring sums the softmax
+    # in another order) to ~1e-5 of a norm of ~2.7; the step-1 gradients are exact.
     dnorm = max(abs(a - b) / b for a, b in zip(got["grad_norms"], ref["grad_norms"], strict=True))
     g1, g2 = torch.load(tmp_path / "g1.pt"), torch.load(tmp_path / "g2.pt")
     assert g1.keys() == g2.keys()
     dgrad = max(float((g1[k] - g2[k]).abs().max()) for k in g1)
     print(f"tiny {arch} cp2: max|dloss| {dloss:.1e}  max rel|dgrad-norm| {dnorm:.1e}  "
           f"step-1 max|dgrad| {dgrad:.1e} over {len(g1)} params  losses {got['losses']}")
-    assert dloss < TOLERANCE and dnorm < 1e-4 and dgrad < TOLERANCE
+    assert dloss < TOLERANCE and dnorm < TOLERANCE and dgrad < TOLERANCE
     assert got["losses"][-1] < got["losses"][0]
 
 

