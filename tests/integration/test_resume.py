@@ -131,9 +131,12 @@ def test_resume_under_tp2_reshards_model_and_optimizer(reference: Any, tmp_path:
     _ok(_run(2, _args(tmp_path / "a.json", cfg, {"tp": 2})))
     losses = json.loads((tmp_path / "a.json").read_text())
     print("tp2 resume: max |dloss|", max(abs(a - b) for a, b in zip(losses, ref[2:], strict=True)))
-    # The first loss depends only on the loaded weights; the later ones on the
-    # resharded Adam moments and step as well.
-    assert losses == pytest.approx(ref[2:], abs=TOL)
+    # The first loss depends only on the loaded weights: equal to TOL. The later ones
+    # also depend on the resharded Adam moments, and TP2 sums in another order, which
+    # Adam's per-element normalisation magnifies (measured up to 1.6e-5 relative):
+    # bounded relatively; a lost or mismatched optimizer state moves them by ~1e-2.
+    assert losses[0] == pytest.approx(ref[2], abs=TOL)
+    assert losses[1:] == pytest.approx(ref[3:], rel=1e-4)
 
 
 def test_ep2_optimizer_resume_refused_weights_only_works(reference: Any, tmp_path: Path) -> None:

@@ -22,7 +22,20 @@ def single_process() -> Iterator[None]:
     destroy_parallel()
 
 
-@pytest.mark.usefixtures("single_process")
+@pytest.fixture
+def no_inference_caches() -> None:
+    """Megatron memoises rotary tables (and the CPU shim its causal masks); a rollout
+    engine that ran in this process under torch.inference_mode leaves inference
+    tensors there, which autograd refuses to save. Start from empty caches."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from moerl.parallel import cpu_shims
+
+    RotaryEmbedding.forward.cache_clear()  # type: ignore[attr-defined]
+    cpu_shims._cpu_causal_mask.cache_clear()
+
+
+@pytest.mark.usefixtures("single_process", "no_inference_caches")
 def test_tiny_forward_backward() -> None:
     (model,) = build_model(TINY, ParallelLayout())
     tokens = torch.randint(TINY.vocab_size, (2, 16))  # [b, s]

@@ -1,10 +1,10 @@
+"""A real sandbox with small limits, shared by the sandbox and reward tests."""
+
 import shutil
 
 import pytest
 
 from moerl.rl.sandbox import Limits, Sandbox, SandboxConfig
-
-PY = "/usr/bin/python3"
 
 
 @pytest.fixture(scope="session")
