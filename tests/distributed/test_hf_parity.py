@@ -9,8 +9,6 @@ imports the checkpoint, writes the Megatron logits and exports the model again.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_parity_worker import tiny_hf_checkpoint, tokens
+from worker_launch import run_worker
 
 WORKER = Path(__file__).with_name("hf_parity_worker.py")
 LOGIT_TOLERANCE = 1e-4
@@ -43,15 +42,8 @@ def test_import_matches_transformers_and_export_round_trips(
     from safetensors.torch import load_file
 
     hf_dir, want = reference
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(WORKER), "--hf", str(hf_dir), "--out", str(tmp_path),
-           "--layout", json.dumps(LAYOUTS[name])]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        pytest.fail("\n".join((proc.stdout + proc.stderr).splitlines()[-40:]))
+    args = ["--hf", str(hf_dir), "--out", str(tmp_path), "--layout", json.dumps(LAYOUTS[name])]
+    run_worker(WORKER, 2, args)
     got = torch.load(tmp_path / "logits.pt")
     diff = (got - want).abs().max().item()
     print(f"{name}: max |megatron - transformers| logit = {diff:.2e}")

@@ -14,13 +14,15 @@ Kimi-K2 have and that the parameter counts include.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from worker_launch import worker_command, worker_env
 
 from moerl.models.arch import TINY
 from moerl.parallel.layout import ParallelLayout
@@ -42,16 +44,10 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
 
 
 def _launch(ranks: int, layout: dict[str, Any], out: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    args = [str(WORKER), "--out", str(out), "--layout", json.dumps(layout),
+    args = ["--out", str(out), "--layout", json.dumps(layout),
             "--seq-length", str(SEQ_LENGTH), "--micro-batch", str(MICRO_BATCH)]
-    cmd = [sys.executable, *args] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={ranks}", *args]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    return subprocess.Popen(worker_command(WORKER, ranks, args), env=worker_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture(scope="module")

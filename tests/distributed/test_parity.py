@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from worker_launch import run_worker
 
 from moerl.models.arch import TINY
 
@@ -40,22 +41,8 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
 
 
 def _run(ranks: int, layout: dict[str, Any], ckpt: Path, out: Path, save: bool = False) -> Any:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    args = [str(WORKER), "--ckpt", str(ckpt), "--out", str(out), "--layout", json.dumps(layout)]
-    if save:
-        args.append("--save")
-    if ranks == 1:
-        cmd = [sys.executable, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={ranks}", *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-        pytest.fail(f"{layout} on {ranks} ranks failed:\n{tail}")
-    return json.loads(out.read_text())
+    args = ["--ckpt", str(ckpt), "--out", str(out), "--layout", json.dumps(layout)]
+    return run_worker(WORKER, ranks, [*args, "--save"] if save else args, out)
 
 
 @pytest.fixture(scope="module")

@@ -2,21 +2,23 @@
 
 A single process builds the tiny MoE from a seed, saves it, and computes the completion
 logprobs of fixed samples, one GRPO update (KL and entropy terms on) and the logprobs
-after it: the reference. TP2+SP, EP2 (with DP2) and PP2 then load those weights under
+after it: the reference. TP2+SP, EP2 (with DP2), PP2 and CP2 then load those weights under
 torchrun (gloo) and must give the same logprobs (1e-5), the same update loss and
-gradient norm (1e-5), and the same logprobs after the update.
+gradient norm (1e-5), and the same logprobs after the update. CP2 runs the ring attention
+on each rank's half of every row and gathers the logprobs back for the objective.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from worker_launch import run_worker
 
 WORKER = Path(__file__).with_name("policy_parity_worker.py")
 TOLERANCE = 1e-5
@@ -26,26 +28,13 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "tp2_sp": (2, {"tp": 2}),
     "ep2": (2, {"ep": 2}),
     "pp2": (2, {"pp": 2}),
+    "cp2": (2, {"cp": 2}),
 }
 
 
 def _run(ranks: int, layout: dict[str, Any], ckpt: Path, out: Path, save: bool = False) -> Any:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    args = [str(WORKER), "--ckpt", str(ckpt), "--out", str(out), "--layout", json.dumps(layout)]
-    if save:
-        args.append("--save")
-    if ranks == 1:
-        cmd = [sys.executable, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={ranks}", *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-        pytest.fail(f"{layout} on {ranks} ranks failed:\n{tail}")
-    return json.loads(out.read_text())
+    args = ["--ckpt", str(ckpt), "--out", str(out), "--layout", json.dumps(layout)]
+    return run_worker(WORKER, ranks, [*args, "--save"] if save else args, out)
 
 
 @pytest.fixture(scope="module")

@@ -19,16 +19,22 @@ STRIDES = (1, 2, 3, 5, 7)
 
 @dataclass(frozen=True)
 class Batch:
-    """One micro-batch; every tensor is [micro_batch, seq_length]."""
+    """One micro-batch; every tensor but `cu_seqlens` is [micro_batch, seq_length]."""
 
     tokens: torch.Tensor  # int64 inputs
     labels: torch.Tensor  # int64 next tokens
     loss_mask: torch.Tensor  # float32, 1 where the label counts
     position_ids: torch.Tensor  # int64, 0..seq_length-1
+    cu_seqlens: torch.Tensor | None = None
+    """Packed rows: int32 [micro_batch, n + 1] document boundaries of each whole row
+    (0, end of document 0, ..., seq_length; right-padded with seq_length). Tokens
+    attend only within their document; the label of a document's last token belongs
+    to the next document and must be masked. Not split under context parallelism."""
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(*(t.to(device) for t in (
-            self.tokens, self.labels, self.loss_mask, self.position_ids)))
+        cu = None if self.cu_seqlens is None else self.cu_seqlens.to(device)
+        return Batch(self.tokens.to(device), self.labels.to(device),
+                     self.loss_mask.to(device), self.position_ids.to(device), cu)
 
 
 @dataclass(frozen=True)

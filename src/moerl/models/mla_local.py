@@ -2,6 +2,11 @@
 
 The local (non-Transformer-Engine) spec is what runs on CPU. Both classes are drop-in
 replacements inside the MLA layer spec; the TE spec does not need them.
+
+Packed rows: Megatron's MLA treats any `PackedSeqParams` as THD (one flattened row,
+TE's layout). Rows of [s, b] with document boundaries (qkv_format="sbhd", what the
+ring attention of `models.ring_attention` takes) instead go around MLA's own code
+straight to the core attention (`TPExactMLASelfAttention.forward`).
 """
 
 from __future__ import annotations
@@ -58,6 +63,22 @@ class TPExactMLASelfAttention(MLASelfAttention):
     `k_pos_emb` itself (reduce-scatter in backward: again the sum over ranks), so
     there the tensor is scattered back instead of all-reduced.
     """
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        packed = kwargs.get("packed_seq_params")
+        if packed is None or packed.qkv_format != "sbhd":
+            return super().forward(*args, **kwargs)
+        core = self.core_attention
+        if not hasattr(core, "documents"):
+            raise ValueError(
+                "packed [s, b] rows with MLA on the local spec need the ring attention "
+                "(parallel.cp > 1) or Transformer Engine (THD packing)")
+        kwargs["packed_seq_params"] = None  # plain [s, b] rows for MLA's projections
+        core.documents = packed
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            core.documents = None
 
     def _qkv_down_projection(self, hidden_states: torch.Tensor) -> Any:
         q_compressed, kv_combined = super()._qkv_down_projection(hidden_states)

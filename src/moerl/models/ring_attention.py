@@ -312,6 +312,9 @@ class RingDotProductAttention(MegatronModule):
         # number, a no-op in exact arithmetic, so it is left out here.
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(k_channels)
         self.attn_mask_type = attn_mask_type
+        self.documents: PackedSeqParams | None = None
+        """Boundaries set by MLA for one forward (`models.mla_local`), used when the
+        call itself carries none."""
 
     def forward(
         self,
@@ -340,7 +343,7 @@ class RingDotProductAttention(MegatronModule):
         out = ring_attention(
             query, key, value, self.cp_group, softmax_scale=self.softmax_scale,
             causal=mask_type == AttnMaskType.causal,
-            cu_seqlens=_document_boundaries(packed_seq_params),
+            cu_seqlens=_document_boundaries(packed_seq_params or self.documents),
         )  # [s, b, np, dv]
         return out.reshape(out.size(0), out.size(1), self.hidden_size_per_partition)
 

@@ -60,23 +60,26 @@ def split_for_cp_rank(x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1)
     return x.index_select(dim, index)
 
 
+GLOBAL_FIELDS = frozenset({"cu_seqlens"})  # batch fields that are not split over CP ranks
+
+
 def split_batch[T](batch: T, cp_rank: int, cp_size: int) -> T:
     """A batch with every [b, T, ...] tensor field split for this rank.
 
-    `batch` is a dataclass (e.g. `data.synthetic.Batch`) or a dict. Tensors whose
-    dim 1 is not the sequence — `cu_seqlens` and other metadata — must not be in
-    it; keep them beside the batch (they stay global). Non-tensor fields and None
-    pass through.
+    `batch` is a dataclass (e.g. `data.synthetic.Batch`) or a dict. A field named
+    `cu_seqlens` (document boundaries of the whole row) stays global; any other
+    tensor whose dim 1 is not the sequence must not be in it. Non-tensor fields
+    and None pass through.
     """
-    def split(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
+    def split(name: str, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and name not in GLOBAL_FIELDS:
             return split_for_cp_rank(value, cp_rank, cp_size, dim=1)
         return value
 
     if isinstance(batch, dict):
-        return {key: split(value) for key, value in batch.items()}  # type: ignore[return-value]
+        return {k: split(k, v) for k, v in batch.items()}  # type: ignore[return-value]
     if is_dataclass(batch) and not isinstance(batch, type):
-        changes = {f.name: split(getattr(batch, f.name)) for f in fields(batch)}
+        changes = {f.name: split(f.name, getattr(batch, f.name)) for f in fields(batch)}
         return replace(batch, **changes)
     raise TypeError(f"split_batch: expected a dataclass or dict batch, got {type(batch)!r}")
 

@@ -33,8 +33,9 @@ class ParallelGroups:
     pp_rank: int
     ep_rank: int
     dp_rank: int
-    dp_group: dist.ProcessGroup  # data parallel (with cp), dense parameters
+    dp_group: dist.ProcessGroup  # data parallel: ranks that hold different samples
     tp_group: dist.ProcessGroup
+    cp_group: dist.ProcessGroup  # context parallel: ranks that hold parts of the same rows
     pp_group: dist.ProcessGroup
     device: torch.device
 
@@ -110,8 +111,9 @@ def init_parallel(
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         ep_rank=ps.get_expert_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
-        dp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        dp_group=ps.get_data_parallel_group(),
         tp_group=ps.get_tensor_model_parallel_group(),
+        cp_group=ps.get_context_parallel_group(),
         pp_group=ps.get_pipeline_model_parallel_group(),
         device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
     )

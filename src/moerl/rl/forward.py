@@ -6,12 +6,20 @@ on the last stage `on_logits` turns the vocab-parallel logits of one micro-batch
 (loss, loss-token count, report). `forward_logprobs` is the forward-only use of it; the
 policy update passes a loss. `broadcast_from_last_stage` makes a result of the last
 pipeline stage known on every stage.
+
+Context parallelism. Every CP rank holds the same whole rows; the model reads only this
+rank's share of each row (`cp_share`: Megatron's load-balanced split into 2·CP chunks),
+so the logits are (B, T/CP, V/tp). `token_logprobs` turns them into per-token logprobs
+of the whole row, gathered over the CP group, so the objective (which has sequence-level
+terms: per-sequence means, GSPO's sequence ratio) sees whole sequences and gives the same
+loss on every CP rank; the gather's backward keeps this rank's tokens' gradient, and
+Megatron's gradient all-reduce over DP x CP adds the CP ranks' parts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -20,6 +28,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from moerl.data.rl_batch import RLMicroBatch
+from moerl.parallel.context import gather_from_cp, split_for_cp_rank
 from moerl.rl.logprobs import vocab_parallel_logprobs
 from moerl.rl.routing import ExpertLoad, RoutingReplay
 
@@ -54,6 +63,42 @@ class ForwardHooks:
             self.load.set_tokens(None)
 
 
+def _cp(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None or not dist.is_initialized():
+        return 0, 1
+    return group.rank(), group.size()
+
+
+def cp_share(mb: RLMicroBatch, group: dist.ProcessGroup | None) -> RLMicroBatch:
+    """This CP rank's positions of every (B, T) tensor of `mb` (`mb` itself at CP = 1)."""
+    rank, size = _cp(group)
+    if size == 1:
+        return mb
+
+    def mine(t: torch.Tensor | None, dim: int = 1) -> Any:
+        return None if t is None else split_for_cp_rank(t, rank, size, dim=dim)
+
+    return replace(
+        mb, tokens=mine(mb.tokens), labels=mine(mb.labels), position_ids=mine(mb.position_ids),
+        loss_mask=mine(mb.loss_mask), valid=mine(mb.valid),
+        advantages=mine(mb.advantages) if mb.advantages.dim() == 2 else mb.advantages,
+        rollout_logprobs=mine(mb.rollout_logprobs), routed_experts=mine(mb.routed_experts, 2),
+    )
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    mb: RLMicroBatch,
+    tp_group: dist.ProcessGroup | None,
+    cp_group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T/CP, V/tp) logits of this rank -> (logprobs, entropy) of the whole rows, (B, T)."""
+    labels = cp_share(mb, cp_group).labels.to(logits.device)
+    lp, ent = vocab_parallel_logprobs(logits, labels, tp_group)
+    assert ent is not None
+    return gather_from_cp(lp, cp_group), gather_from_cp(ent, cp_group)
+
+
 def run_schedule(
     chunks: Sequence[torch.nn.Module],
     micro: Sequence[RLMicroBatch],
@@ -62,20 +107,28 @@ def run_schedule(
     forward_only: bool,
     device: torch.device,
     hooks: ForwardHooks | None = None,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> list[dict[str, Any]]:
-    """Run the schedule; the reports of the micro-batches, in order, on the last stage."""
+    """Run the schedule; the reports of the micro-batches, in order, on the last stage.
+
+    `on_logits` gets the whole micro-batch and this CP rank's logits (see `cp_share`).
+    """
     hooks = hooks or ForwardHooks()
     b, t = micro[0].shape
     if any(mb.shape != (b, t) for mb in micro):
         raise ValueError("all micro-batches of one schedule call must share (B, T)")
+    _, cp_size = _cp(cp_group)
+    if cp_size > 1 and t % (2 * cp_size):
+        raise ValueError(f"micro-batch length {t} must be a multiple of 2*cp = {2 * cp_size}")
 
     def forward_step(
         data_iterator: Iterator[tuple[int, RLMicroBatch]], model: torch.nn.Module
     ) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
         k, mb = next(data_iterator)
-        hooks.before(mb, model)
+        local = cp_share(mb, cp_group)
+        hooks.before(local, model)
         # Every stage gets the whole micro-batch; only the first reads the tokens.
-        output = model(mb.tokens.to(device), mb.position_ids.to(device), None)
+        output = model(local.tokens.to(device), local.position_ids.to(device), None)
 
         def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
             return on_logits(k, mb, logits)  # logits (B, T, V/tp) on the last stage
@@ -92,7 +145,7 @@ def run_schedule(
             data_iterator=data,
             model=list(chunks),
             num_microbatches=len(micro),
-            seq_length=t,
+            seq_length=t // cp_size,
             micro_batch_size=b,
             forward_only=forward_only,
         )
@@ -108,14 +161,14 @@ def forward_logprobs(
     tp_group: dist.ProcessGroup | None,
     device: torch.device,
     hooks: ForwardHooks | None = None,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(logprobs, entropy), each (B, T) on the CPU, per micro-batch, on every rank."""
 
     def on_logits(
         k: int, mb: RLMicroBatch, logits: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        lp, ent = vocab_parallel_logprobs(logits, mb.labels.to(device), tp_group)
-        assert ent is not None
+        lp, ent = token_logprobs(logits, mb, tp_group, cp_group)
         zero = torch.zeros((), device=device)
         return zero, torch.zeros((), dtype=torch.int), {"lp": lp, "ent": ent}
 
@@ -124,9 +177,8 @@ def forward_logprobs(
         c.eval()
     try:
         with torch.no_grad():
-            reports = run_schedule(
-                chunks, micro, on_logits, forward_only=True, device=device, hooks=hooks
-            )
+            reports = run_schedule(chunks, micro, on_logits, forward_only=True, device=device,
+                                   hooks=hooks, cp_group=cp_group)
     finally:
         for c, mode in zip(chunks, was_training, strict=True):
             c.train(mode)

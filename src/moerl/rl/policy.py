@@ -37,8 +37,7 @@ from moerl.models.build import build_model, te_available
 from moerl.models.weights import load_weights, save_weights
 from moerl.parallel.groups import ParallelGroups
 from moerl.parallel.layout import ParallelLayout
-from moerl.rl.forward import ForwardHooks, forward_logprobs, run_schedule
-from moerl.rl.logprobs import vocab_parallel_logprobs
+from moerl.rl.forward import ForwardHooks, cp_share, forward_logprobs, run_schedule, token_logprobs
 from moerl.rl.losses import Denominator, PolicyLossInputs, PolicyObjective, global_denominator
 from moerl.rl.policy_metrics import logprob_gap, reduce_reports
 from moerl.rl.routing import ExpertLoad, RoutingReplay
@@ -137,14 +136,20 @@ class Policy:
         return cls(trainable, arch, objective, groups, cfg, reference)
 
     @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        return self.groups.cp_group if self.groups.layout.cp > 1 else None
+
+    @property
     def chunks(self) -> list[torch.nn.Module]:
         return list(self.trainable.model)
 
     def pack(self, samples: Sequence[RLSample]) -> list[RLMicroBatch]:
         """This rank's share of `samples` as same-shape micro-batches."""
         layout = self.groups.layout
-        tp_multiple = layout.tp if layout.resolved_sequence_parallel() else 1
-        plan = plan_microbatches(samples, self.cfg.token_budget, layout.dp, tp_multiple)
+        multiple = layout.tp if layout.resolved_sequence_parallel() else 1
+        if layout.cp > 1:  # 2·CP equal chunks per row, each rank's share split over TP
+            multiple *= 2 * layout.cp
+        plan = plan_microbatches(samples, self.cfg.token_budget, layout.dp, multiple)
         return pack(samples, plan, self.groups.dp_rank)
 
     def logprobs(
@@ -157,7 +162,7 @@ class Policy:
         replay = self.ref_replay if reference else self.replay
         return forward_logprobs(
             chunks, micro, tp_group=self.groups.tp_group, device=self.groups.device,
-            hooks=ForwardHooks(replay=replay),
+            hooks=ForwardHooks(replay=replay), cp_group=self.cp_group,
         )
 
     def completion_logprobs(self, samples: Sequence[RLSample]) -> list[torch.Tensor]:
@@ -240,8 +245,7 @@ class Policy:
         def on_logits(
             k: int, mb: RLMicroBatch, logits: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-            lp, ent = vocab_parallel_logprobs(logits, mb.labels.to(device), tp_group)
-            assert ent is not None
+            lp, ent = token_logprobs(logits, mb, tp_group, self.cp_group)
             mask = mb.loss_mask.to(device)
             inputs = PolicyLossInputs(
                 logprobs=lp,
@@ -253,16 +257,16 @@ class Policy:
                 entropy=ent if entropy_grad else ent.detach(),
             )
             loss, metrics = self.objective(inputs, p.denom)
-            # See the module docstring: Megatron divides by the summed counts, N.
-            count = mask.sum().to(torch.int).cpu()
+            # See the module docstring: Megatron divides by the counts summed over DP x CP,
+            # N; each CP rank counts the loss tokens it holds.
+            count = cp_share(mb, self.cp_group).loss_mask.sum().to(torch.int).cpu()
             report = {name: v.detach().float() for name, v in metrics.items()}
             return loss * p.denom.num_tokens, count, report
 
         hooks = ForwardHooks(replay=self.replay, load=self.load)
         with _aux_losses(self.trainable.model[0].config, self.cfg.aux_losses):
-            return run_schedule(
-                self.chunks, p.micro, on_logits, forward_only=False, device=device, hooks=hooks
-            )
+            return run_schedule(self.chunks, p.micro, on_logits, forward_only=False,
+                                device=device, hooks=hooks, cp_group=self.cp_group)
 
     def publish(self, directory: str | Path) -> Path:
         """Write the current weights (all ranks together) for the rollout servers."""

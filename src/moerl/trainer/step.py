@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from moerl.data.synthetic import Batch
@@ -52,9 +53,15 @@ def _forward_step(
     # Every stage takes the whole batch: the first uses tokens and positions, the
     # last labels (its output is then per-token losses [b, s]) and the MTP layers
     # the tokens again.
-    output = model(
-        batch.tokens, batch.position_ids, None, labels=batch.labels, loss_mask=batch.loss_mask
-    )
+    packed = None
+    if batch.cu_seqlens is not None:  # document boundaries (see `Batch.cu_seqlens`)
+        # The whole row's length (before the CP split): the rotary table's length.
+        row = batch.tokens.size(1) * ps.get_context_parallel_world_size()
+        packed = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=batch.cu_seqlens,
+                                 cu_seqlens_kv=batch.cu_seqlens, max_seqlen_q=row,
+                                 max_seqlen_kv=row)
+    output = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
+                   loss_mask=batch.loss_mask, packed_seq_params=packed)
 
     def reduce(per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         return loss_fn(per_token, batch)

@@ -1,0 +1,133 @@
+"""Per-rank activation memory under context parallelism: CP1, CP2 and CP4 on CPU.
+
+    .venv/bin/python benchmarks/cp_activation_memory.py [--lengths 256 512 1024 2048]
+
+For each CP size one torchrun job (gloo) builds the tiny MoE (MTP off) and, for each
+sequence length, takes one training step of one sequence while counting the unique
+storages autograd saves on each rank (parameters and gradient buffers excluded): the
+activation memory of one micro-batch. The table shows the largest rank's bytes, its
+share of the CP1 bytes at the same length, and CP4 against CP2.
+
+Each rank holds 1/CP of the sequence. CP1 runs Megatron's local attention, which saves
+the T x T softmax; the ring attention saves only queries, keys, values, output and the
+log-sum-exp, so against CP1 the share falls below 1/CP as T grows (the quadratic term
+is gone), while CP4 against CP2 (both ring) shows the 1/2 of the split itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CP_SIZES = (1, 2, 4)
+
+
+class SavedBytes:
+    """Sums the unique storages autograd saves (kept referenced until read, so a freed
+    address cannot be reused and hide a later tensor)."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude, self.seen = exclude, dict[int, torch.Tensor]()
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in self.exclude:
+            self.seen.setdefault(ptr, tensor)
+        return tensor
+
+    def total(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.seen.values())
+
+
+def measure(lengths: list[int]) -> dict[int, int]:
+    """This rank's saved-activation bytes per sequence length (inside torchrun)."""
+    from moerl.data.synthetic import SyntheticCorpus
+    from moerl.models.arch import TINY
+    from moerl.models.build import build_model
+    from moerl.parallel.groups import destroy_parallel, init_parallel
+    from moerl.parallel.layout import ParallelLayout
+    from moerl.trainer.lm import batch_iterators
+    from moerl.trainer.optimizer import OptimConfig, build_optimizer
+    from moerl.trainer.step import train_step
+
+    cp = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = ParallelLayout(cp=cp, use_distributed_optimizer=False)
+    groups = init_parallel(layout, seed=0)
+    arch = TINY.replace(mtp_num_layers=0, max_position_embeddings=max(lengths))
+    trainable = build_optimizer(build_model(arch, layout), OptimConfig(), layout)
+    excluded = {p.untyped_storage().data_ptr() for c in trainable.model for p in c.parameters()}
+    excluded |= {b.grad_data.untyped_storage().data_ptr() for c in trainable.model
+                 for b in c.buffers + c.expert_parallel_buffers}
+    out = {}
+    for length in lengths:
+        saved = SavedBytes(excluded)
+        corpus = SyntheticCorpus(arch.vocab_size, length, seed=1)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            train_step(trainable.model, trainable.optimizer,  # type: ignore[arg-type]
+                       batch_iterators(corpus, 0, groups, 1, 1), num_microbatches=1,
+                       micro_batch_size=1, seq_length=length // cp)
+        out[length] = saved.total()
+    destroy_parallel()
+    return out
+
+
+def _launch(cp: int, lengths: list[int], out: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={cp}", __file__, "--worker", str(out),
+           "--lengths", *map(str, lengths)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"CP{cp} run failed:\n" + "\n".join(proc.stderr.splitlines()[-30:]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        rank = int(os.environ.get("RANK", "0"))
+        (args.worker / f"rank{rank}.json").write_text(json.dumps(measure(args.lengths)))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    results: dict[int, dict[int, int]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for cp in CP_SIZES:
+            out = Path(tmp) / f"cp{cp}"
+            out.mkdir()
+            _launch(cp, args.lengths, out)
+            ranks: list[dict[str, Any]] = [json.loads(f.read_text()) for f in out.glob("*.json")]
+            results[cp] = {n: max(int(r[str(n)]) for r in ranks) for n in args.lengths}
+    table = Table(title="saved activations per rank, one sequence (tiny MoE, fp32, CPU)")
+    table.add_column("tokens", justify="right")
+    for cp in CP_SIZES:
+        table.add_column(f"CP{cp} MiB", justify="right")
+        if cp > 1:
+            table.add_column(f"CP{cp}/CP1 (1/CP = {1 / cp:.2f})", justify="right")
+    table.add_column("CP4/CP2", justify="right")
+    for n in args.lengths:
+        row = [str(n)]
+        for cp in CP_SIZES:
+            row.append(f"{results[cp][n] / 2**20:.2f}")
+            if cp > 1:
+                row.append(f"{results[cp][n] / results[1][n]:.3f}")
+        row.append(f"{results[4][n] / results[2][n]:.3f}")
+        table.add_row(*row)
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
