@@ -1,10 +1,14 @@
-"""GPU smoke test: a small MoE on the Transformer Engine spec, bf16 and FP8.
+"""GPU smoke test: a small MoE on the Transformer Engine spec, bf16 and FP8; the rollout
+backends.
 
 Builds the `tiny` architecture scaled up to GPU-sized matrices with the TE spec
 on one GPU, runs timed forward/backward steps in bf16 and in each FP8 recipe the
 installed Transformer Engine supports, and prints step time and model FLOPs
-utilisation (MFU, from moerl.models.count). `--check` only imports everything
-(this is what runs on machines without a GPU).
+utilisation (MFU, from moerl.models.count). Then serves the `tiny` model through
+our rollout server on Megatron's dynamic inference engine and compares its greedy
+tokens with the static engine's (`gpu_smoke_rollout.py`), and prints the vLLM and
+SGLang command lines the launcher would run. `--check` only imports everything and
+prints those command lines (this is what runs on machines without a GPU).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 import traceback
 
 import torch
+from gpu_smoke_rollout import dynamic_vs_static, print_engine_commands
 
 from moerl.models.arch import TINY, MoEArch
 from moerl.models.build import FP8_RECIPES, build_model, te_available
@@ -63,29 +68,18 @@ def time_steps(fp8: str | None, steps: int, seq: int, batch: int) -> float:
         destroy_parallel()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--check", action="store_true", help="import-check only")
-    args = parser.parse_args()
-    if args.check:
-        print("gpu_smoke: imports ok")
-        return 0
-    if not torch.cuda.is_available():
-        print("gpu_smoke: no GPU here; nothing run (use --check to import-check)")
-        return 1
+def te_modes(steps: int, seq: int, batch: int) -> list[str]:
+    """Time bf16 and every FP8 recipe; the names of the modes that could not run."""
     if not te_available():
         print("gpu_smoke: Transformer Engine is not importable; the TE spec and FP8 cannot run")
-        return 1
-    flops = train_flops_per_token(SMOKE_ARCH, args.seq) * args.seq * args.batch
+        return ["bf16", *FP8_RECIPES]
+    flops = train_flops_per_token(SMOKE_ARCH, seq) * seq * batch
     failures = []
     for mode in (None, *FP8_RECIPES):
         name = mode or "bf16"
         peak = PEAK_BF16_TFLOPS * (2 if mode else 1)
         try:
-            seconds = time_steps(mode, args.steps, args.seq, args.batch)
+            seconds = time_steps(mode, steps, seq, batch)
         except Exception as err:  # report every mode, then fail at the end
             failures.append(name)
             print(f"{name:>10}: could not run: {type(err).__name__}: {err}")
@@ -93,9 +87,37 @@ def main() -> int:
             continue
         mfu = flops / seconds / (peak * 1e12)
         print(f"{name:>10}: {seconds * 1e3:8.1f} ms/step  MFU {mfu:6.1%} (of {peak:.0f} TFLOP/s)")
+    return failures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--only", choices=("all", "te", "rollout"), default="all")
+    parser.add_argument("--check", action="store_true", help="import-check only")
+    args = parser.parse_args()
+    print_engine_commands()
+    if args.check:
+        import fastapi.testclient  # noqa: F401  (what the rollout check serves through)
+
+        import moerl.rl.rollout.server  # noqa: F401
+
+        print("gpu_smoke: imports ok")
+        return 0
+    if not torch.cuda.is_available():
+        print("gpu_smoke: no GPU here; nothing run (use --check to import-check)")
+        return 1
+    failures = te_modes(args.steps, args.seq, args.batch) if args.only != "rollout" else []
+    # Some FP8 recipes need newer GPUs: the TE part fails only when no mode ran.
+    te_failed = len(failures) == 1 + len(FP8_RECIPES)
+    rollout_failed = args.only != "te" and not dynamic_vs_static()
+    if rollout_failed:
+        failures.append("rollout-dynamic")
     if failures:
-        print(f"gpu_smoke: not run: {', '.join(failures)}")
-    return 1 if len(failures) == 1 + len(FP8_RECIPES) else 0
+        print(f"gpu_smoke: not run or failed: {', '.join(failures)}")
+    return 1 if te_failed or rollout_failed else 0
 
 
 if __name__ == "__main__":

@@ -28,12 +28,18 @@ find_python312() {
 
 install_system_packages() {
   # bubblewrap isolates model-written code in the sandbox; refuse-by-default without it.
-  if command -v bwrap >/dev/null 2>&1; then return 0; fi
+  # gcc, make and git are what the shipped terminal tasks use inside the sandbox.
+  local missing=()
+  command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+  command -v gcc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
+  command -v make >/dev/null 2>&1 || missing+=(make)
+  command -v git >/dev/null 2>&1 || missing+=(git)
+  [ ${#missing[@]} -eq 0 ] && return 0
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "installing bubblewrap (sandbox for model-written code)"
-    apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null
+    echo "installing ${missing[*]} (sandbox and terminal tasks)"
+    apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   else
-    echo "warning: bubblewrap is missing and cannot be installed here; sandboxed rewards will refuse to run" >&2
+    echo "warning: ${missing[*]} missing and cannot be installed here; sandboxed rewards or terminal tasks will not run" >&2
   fi
 }
 

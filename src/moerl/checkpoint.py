@@ -251,6 +251,13 @@ class Checkpointer:
             print(f"resumed from {path} at step {state['step']} ({how})", file=sys.stderr)
         return Resumed(int(state["step"]), path, state["extra"], self.cfg.weights_only)
 
+    def check_compatible(self, path: Path, require: tuple[str, ...] = ("data",)) -> None:
+        """Refuse `path` for a changed model or dataset before anything is built for it
+        (`load` checks again, after verifying the manifest)."""
+        if not (path / STATE).is_file():
+            return  # `load` refuses it, naming what the manifest finds wrong
+        self._check_compatible(path, json.loads((path / STATE).read_text()), require)
+
     def _check_compatible(
         self, path: Path, state: dict[str, Any], require: tuple[str, ...]
     ) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moerl.checkpointing.config import CheckpointConfig
 from moerl.data.prompts import DataConfig
 from moerl.launchers.cluster import ClusterConfig
 from moerl.launchers.plan import LaunchConfig, RewardStageConfig, RolloutStageConfig
@@ -84,6 +85,7 @@ class RunConfig:
     logger: LoggerConfig
     launcher: LaunchConfig
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # SLURM only
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run_dir: str = "runs/default"
     seq_length: int = 4096  # for FLOP counts (model-info)
 
@@ -101,6 +103,8 @@ def load_run_config(overrides: list[str], world_size: int | None = None) -> RunC
     """The typed run config; dp is derived from `world_size` (default: the launcher's
     trainer ranks) unless `parallel.dp` is given."""
     data = compose(overrides)
+    # `resume=...` is a shorthand the YAML copies into checkpoint.resume (an interpolation).
+    data.pop("resume", None)
     raw_parallel = data.pop("parallel")
     launch = from_dict(LaunchConfig, data.get("launcher", {}), "launcher")
     world = world_size or launch.trainer_ranks * launch.trainer_nodes

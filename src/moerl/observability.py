@@ -76,6 +76,15 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
 
+    def drop_from(self, step: int) -> None:
+        """Forget the JSONL rows of steps >= `step`: a run resumed at `step` writes
+        them again (a killed run may have logged steps past its last checkpoint)."""
+        if self.path.exists():
+            kept = [r for r in read_metrics(self.path) if r["step"] < step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            tmp.replace(self.path)
+
     def close(self, plot_keys: tuple[str, ...] = ("reward/mean",)) -> Path | None:
         if self._wandb is not None:
             self._wandb.finish()

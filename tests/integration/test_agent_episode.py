@@ -11,15 +11,15 @@ correct masks.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from local_servers import rollout_server
 
 from moerl.data.rl_batch import pack, plan_microbatches
 from moerl.data.tokenizer import ByteTokenizer
@@ -29,7 +29,7 @@ from moerl.rl.agent.tasks import SUBMIT, ScriptedPolicy, TaskCase, generate_task
 from moerl.rl.agent.terminal import TerminalEnvironment
 from moerl.rl.agent.tools import ToolCall
 from moerl.rl.agent.trajectory import Trajectory, training_records
-from moerl.rl.rollout.client import RolloutClient, discover
+from moerl.rl.rollout.client import RolloutClient
 from moerl.rl.sandbox import Limits, Sandbox, SandboxConfig
 
 pytestmark = pytest.mark.sandbox
@@ -149,29 +149,8 @@ def test_faults_on_every_step_end_as_infra_failure(sandbox: Sandbox) -> None:
 
 @pytest.fixture(scope="module")
 def rollout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RolloutClient]:
-    rendezvous = tmp_path_factory.mktemp("rendezvous")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moerl.rl.rollout.server", "--host", "127.0.0.1", "--port", "0",
-         "--seed", "11", "--rendezvous-dir", str(rendezvous), "--max-batch", "8"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 180  # generous: the machine may be shared
-        while not discover(rendezvous):
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-3000:]}")  # type: ignore[union-attr]
-            assert time.monotonic() < deadline, "rollout server did not come up"
-            time.sleep(0.2)
-        client = RolloutClient(rendezvous_dir=rendezvous)
+    with rollout_server(tmp_path_factory.mktemp("rendezvous"), seed=11) as client:
         yield client
-        client.close()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def test_random_model_episode_stays_within_limits_with_right_masks(

@@ -155,3 +155,25 @@ class PromptStream:
     def __iter__(self) -> Iterator[PromptRecord]:
         while True:
             yield from self.take(1)
+
+    def state(self) -> dict[str, int]:
+        """What a checkpoint keeps: the position, and what the order depends on."""
+        return {"position": self.position, "seed": self.seed, "size": len(self.records)}
+
+    def restore(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Continue where `state()` was taken. With `strict`, a stream over another
+        number of records or another order seed is refused: the position would point
+        into a different order."""
+        position = state.get("position")
+        if not isinstance(position, int) or isinstance(position, bool) or position < 0:
+            raise DatasetError(f"prompt stream state: 'position' must be an int >= 0, "
+                               f"got {position!r}")
+        if strict:
+            for key, ours in (("seed", self.seed), ("size", len(self.records))):
+                if state.get(key) != ours:
+                    raise DatasetError(
+                        f"prompt stream state: saved {key} {state.get(key)!r} != this run's "
+                        f"{ours} (data.seed or the dataset changed); the saved position does "
+                        "not apply to this order"
+                    )
+        self.position = position

@@ -7,6 +7,7 @@
     moerl train-lm parallel.tp=2 ...         a language-model training run (torchrun-aware)
     moerl serve reward --port 8100           the reward server
     moerl hf import HF_DIR WEIGHTS_DIR       Hugging Face -> Megatron (and `hf export`)
+    moerl eval agent --policy scripted       the shipped terminal tasks (or --rendezvous DIR)
 
 Sub-commands import their module only when run, so `moerl --help` stays fast.
 """
@@ -21,6 +22,7 @@ import sys
 import warnings
 from collections.abc import Callable
 
+from moerl.checkpointing.config import CheckpointError
 from moerl.models.arch import ArchError
 from moerl.parallel.layout import LayoutError
 from moerl.typed_config import ConfigError
@@ -103,6 +105,12 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
     return serve_rollout(overrides)
 
 
+def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    from moerl.rl.agent.evaluate import main as eval_agent
+
+    return eval_agent(args.options)
+
+
 Handler = Callable[[argparse.Namespace, list[str]], int]
 
 
@@ -138,6 +146,11 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run a rollout or reward server")
     serve.add_argument("service", choices=["reward", "rollout"])
     serve.set_defaults(handler=_serve)
+    evaluate = sub.add_parser("eval", help="evaluate a policy: `moerl eval agent --help`",
+                              add_help=False)
+    evaluate.add_argument("target", choices=["agent"])
+    evaluate.add_argument("options", nargs=argparse.REMAINDER)
+    evaluate.set_defaults(handler=_eval)
     return parser
 
 
@@ -160,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ArchError, LayoutError) as err:
         print(f"moerl {args.command}: configuration error: {err}", file=sys.stderr)
         return 2
+    except CheckpointError as err:  # refused resume, unreadable or tampered checkpoint
+        print(f"moerl {args.command}: checkpoint error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

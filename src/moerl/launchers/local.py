@@ -7,10 +7,17 @@ path, then runs the trainer in the foreground while watching the servers. Whatev
 happens (success, a crash, Ctrl-C, SIGTERM) every process group gets SIGTERM, then
 SIGKILL after a grace period. Each process writes to `<log_dir>/<stage>.<i>.log`;
 with `echo` its lines are also printed with a `[stage.i]` prefix.
+
+SIGUSR1 to the launcher is the graceful stop: it is passed on to the trainer's
+ranks, which finish their step, checkpoint and exit for requeue while the servers
+stay up. A trainer that asked for a requeue (the marker in the rendezvous
+directory; torchrun reports its ranks' exit code 85 as 1) makes `run()` return
+REQUEUE_EXIT_CODE, so the same command continues the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -19,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +34,7 @@ from types import FrameType
 from typing import IO
 
 from moerl.launchers.proctree import (
+    children,
     descendants,
     group_alive,
     kill_pids,
@@ -39,6 +47,8 @@ from moerl.launchers.stages import (
     ENV_PORT,
     ENV_RENDEZVOUS,
     ENV_STAGE,
+    REQUEUE_EXIT_CODE,
+    REQUEUE_MARKER,
     RunPlan,
     StageSpec,
     discover,
@@ -109,19 +119,25 @@ class Terminated(Exception):
 
 
 @contextmanager
-def _sigterm_raises() -> Iterator[None]:
+def _signals(usr1: Callable[[], None]) -> Iterator[None]:
+    """SIGTERM raises Terminated; SIGUSR1 calls `usr1` (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def handler(signum: int, frame: FrameType | None) -> None:
+    def terminate(signum: int, frame: FrameType | None) -> None:
         raise Terminated(f"launcher got signal {signum}")
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    def stop(signum: int, frame: FrameType | None) -> None:
+        usr1()
+
+    previous = {sig: signal.signal(sig, handler)
+                for sig, handler in ((signal.SIGTERM, terminate), (signal.SIGUSR1, stop))}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @dataclass
@@ -135,6 +151,7 @@ class LocalLauncher:
     echo: bool = False
     procs: list[_Proc] = field(default_factory=list, init=False)
     endpoints: dict[str, list[str]] = field(default_factory=dict, init=False)
+    _trainer: _Proc | None = field(default=None, init=False)
 
     def run(self) -> int:
         """Servers up and healthy, trainer to completion, then everything down.
@@ -147,15 +164,27 @@ class LocalLauncher:
         shutil.rmtree(self.plan.rendezvous_dir, ignore_errors=True)
         self.plan.rendezvous_dir.mkdir(parents=True, exist_ok=True)
         try:
-            with _sigterm_raises():
+            with _signals(self._stop_trainer):
                 for stage in self.plan.servers:
                     self._start_servers(stage)
                 for stage in self.plan.servers:
                     self._wait_ready(stage)
-                trainer = self._start(self.plan.trainer, 0, 0)
-                return self._supervise(trainer)
+                self._trainer = self._start(self.plan.trainer, 0, 0)
+                return self._supervise(self._trainer)
         finally:
             self.teardown()
+
+    def _stop_trainer(self) -> None:
+        """SIGUSR1: pass it on to the trainer's ranks (they checkpoint, then exit)."""
+        if self._trainer is None:
+            raise Terminated("launcher got SIGUSR1 before the trainer started")
+        pid = self._trainer.popen.pid
+        ranks = children(pid) if self._trainer.stage.torchrun else [pid]
+        print(f"[launcher] SIGUSR1: trainer ranks {ranks} checkpoint after this step",
+              flush=True)
+        for rank in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank, signal.SIGUSR1)
 
     def _start_servers(self, stage: StageSpec) -> None:
         for index in range(stage.replicas):
@@ -228,6 +257,8 @@ class LocalLauncher:
             time.sleep(0.2)
         if trainer.pump is not None:
             trainer.pump.join(timeout=5.0)
+        if code != 0 and (self.plan.rendezvous_dir / REQUEUE_MARKER).exists():
+            return REQUEUE_EXIT_CODE  # checkpointed on a stop signal: run again to continue
         if code != 0:
             # The trainer may notice a dead server (its client gives up) between two
             # polls; the server is then the cause, and the one to name.

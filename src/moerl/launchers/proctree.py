@@ -68,6 +68,19 @@ def descendants(pid: int) -> dict[int, str]:
     return found
 
 
+def children(pid: int) -> list[int]:
+    """The live direct children of `pid` (e.g. torchrun's ranks, not what they fork)."""
+    if not _PROC.is_dir():
+        return []
+    found = []
+    for entry in _PROC.iterdir():
+        if entry.name.isdigit():
+            fields = _stat(int(entry.name))
+            if len(fields) > 1 and fields[1] == str(pid) and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
 def still_running(snapshot: dict[int, str]) -> list[int]:
     """The pids of `snapshot` that are the same processes and not zombies."""
     alive = []

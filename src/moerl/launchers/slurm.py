@@ -141,18 +141,25 @@ def _stage_env(stage: StageSpec) -> str:
     return "".join(f"export {k}={shlex.quote(v)}; " for k, v in stage.env.items())
 
 
-def _srun(stage: StageSpec, group: int | None, inner: str) -> str:
+def _srun(stage: StageSpec, group: int | None, cfg: SlurmConfig) -> str:
     opts = [] if group is None else [f"--het-group={group}"]
     opts += ["--overlap", *_resources(stage), "--kill-on-bad-exit=1"]
     opts.append(f'--output="$LOG_DIR/{stage.name}-%j-%t.log"')
-    return f"srun {' '.join(opts)} \\\n    bash -c {shlex.quote(inner)} &"
+    command = " ".join(shlex.quote(a) for a in step_command(stage, cfg))
+    return f"srun {' '.join(opts)} \\\n    {command} &"
 
 
-def _server_step(stage: StageSpec, group: int | None, cfg: SlurmConfig) -> str:
+def step_command(stage: StageSpec, cfg: SlurmConfig) -> list[str]:
+    """argv of the job step that runs `stage` (what its srun line starts)."""
+    inner = _trainer_inner(stage, cfg) if stage.name == "trainer" else _server_inner(stage)
+    return ["bash", "-c", inner]
+
+
+def _server_inner(stage: StageSpec) -> str:
     base = stage.port_base or DEFAULT_PORTS[stage.name]
     # Ports count over all replicas, not per node: fake nodes on one host (and
     # several replicas on one node) must not collide.
-    inner = (
+    return (
         f"export {ENV_STAGE}={stage.name} {ENV_INDEX}=$SLURM_PROCID "
         f"{ENV_PORT}=$(({base} + SLURM_PROCID)); "
         f'export {ENV_HOST}="${{MOERL_ADVERTISE_HOST:-$(hostname)}}"; '
@@ -160,10 +167,13 @@ def _server_step(stage: StageSpec, group: int | None, cfg: SlurmConfig) -> str:
         + 'trap "" USR1; exec '
         + " ".join(_shell_arg(a) for a in stage.command)
     )
-    return _srun(stage, group, inner) + f"\nmoerl_started {stage.name} $!"
 
 
-def _trainer_step(stage: StageSpec, group: int | None, cfg: SlurmConfig) -> str:
+def _server_step(stage: StageSpec, group: int | None, cfg: SlurmConfig) -> str:
+    return _srun(stage, group, cfg) + f"\nmoerl_started {stage.name} $!"
+
+
+def _trainer_inner(stage: StageSpec, cfg: SlurmConfig) -> str:
     command = " ".join(_shell_arg(a) for a in stage.command)
     if stage.torchrun:
         launcher = " ".join(shlex.quote(a) for a in cfg.torchrun)
@@ -173,17 +183,20 @@ def _trainer_step(stage: StageSpec, group: int | None, cfg: SlurmConfig) -> str:
             f"--master-port=$MASTER_PORT --signals-to-handle={_TORCHRUN_SIGNALS} "
             f"--shutdown-timeout={max(cfg.signal_seconds, 30)} --no-python {command}"
         )
-    inner = (
+    return (
         f"export {ENV_STAGE}=trainer {ENV_INDEX}=$SLURM_NODEID {ENV_PORT}=0 "
         f'{ENV_HOST}="$(hostname)"; ' + _stage_env(stage) + f"exec {command}"
     )
+
+
+def _trainer_step(stage: StageSpec, group: int | None, cfg: SlurmConfig) -> str:
     nodelist = "${SLURM_JOB_NODELIST_HET_GROUP_0:-$SLURM_JOB_NODELIST}"
     return "\n".join([
         f'MASTER_NODE=$(scontrol show hostnames "{nodelist}" | head -n 1)',
         'export MASTER_ADDR="${MOERL_MASTER_ADDR:-$MASTER_NODE}"',
         f"export MASTER_PORT={cfg.master_port}",
         'echo "moerl: trainer master $MASTER_NODE ($MASTER_ADDR:$MASTER_PORT)" >&2',
-        _srun(stage, group, inner),
+        _srun(stage, group, cfg),
         "TRAINER_PID=$!",
     ])  # fmt: skip
 

@@ -19,6 +19,7 @@ from rich.console import Console
 
 from moerl.config import RunConfig, config_dir, load_run_config
 from moerl.launchers.plan import RunLayout, build_run_plan
+from moerl.launchers.stages import REQUEUE_EXIT_CODE
 from moerl.typed_config import to_dict
 
 
@@ -57,6 +58,10 @@ def run_train(overrides: list[str], dry_run: bool = False) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    if code == REQUEUE_EXIT_CODE:
+        console.print(f"the trainer checkpointed on a stop signal and exited {code} (requeue); "
+                      "the same command continues the run", markup=False, soft_wrap=True)
+        return code
     if code != 0:
         console.print(f"the trainer stage exited with {code}; logs in {plan.log_dir}",
                       style="red", markup=False)

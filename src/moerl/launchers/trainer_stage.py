@@ -13,6 +13,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from moerl.checkpoint import Fingerprints
+from moerl.checkpointing.collective import barrier
 from moerl.config import RunConfig
 from moerl.data.prompts import PromptRecord, PromptStream, load_prompts
 from moerl.data.sft import encode_example
@@ -27,9 +29,11 @@ from moerl.rl.config import SFTConfig
 from moerl.rl.loop import Controller, train
 from moerl.rl.losses import build_objective, objective_config_class
 from moerl.rl.policy import Policy, PolicyConfig
+from moerl.rl.resume import RLCheckpoints
 from moerl.rl.rewards.client import RewardClient, RewardClientConfig
 from moerl.rl.rollout.client import ClientConfig, RolloutClient
-from moerl.rl.weight_sync import FilesystemWeightSync
+from moerl.rl.weight_sync import build_weight_sync
+from moerl.signals import STOP_SIGNALS, StopOnSignal
 from moerl.trainer.optimizer import OptimConfig, build_optimizer
 from moerl.trainer.sft import run_sft
 from moerl.typed_config import from_dict, to_dict
@@ -84,28 +88,68 @@ def summary_table(metrics_file: Path) -> Table:
     return table
 
 
+def _checkpoints(cfg: RunConfig, records: list[PromptRecord],
+                 held_out: list[PromptRecord]) -> RLCheckpoints | None:
+    """The run's checkpoints; a resume is refused when the model or the data changed."""
+    if not cfg.checkpoint.enabled:
+        return None
+    data = {"train": records, "held_out": held_out, "order_seed": cfg.data.seed}
+    run = {"rl": cfg.rl, "optim": cfg.optim, "sft": cfg.sft}  # recorded, may change
+    return RLCheckpoints(cfg.checkpoint, Fingerprints.of(cfg.model, data, run))
+
+
 def trainer_main(cfg: RunConfig, dirs: RunLayout) -> int:
+    """SFT (unless resuming), then RL. With checkpoints, SIGTERM/SIGUSR1 (even during
+    set-up) end the run after the next RL step: checkpoint, then SystemExit(85)."""
     groups = init_parallel(cfg.parallel, seed=cfg.rl.seed)
     try:
-        tok = ByteTokenizer(cfg.model.vocab_size)
-        records, held_out, _ = load_prompts(cfg.data)
-        weights = sft_phase(cfg, groups, tok, records, dirs.sft_weights) if cfg.sft.steps else None
-        objective_cfg = from_dict(objective_config_class(cfg.rl.objective),
-                                  cfg.rl.objective_args, "rl.objective_args")
-        policy = Policy.build(
-            cfg.model, cfg.parallel, cfg.optim, build_objective(cfg.rl.objective, objective_cfg),
-            groups, PolicyConfig(token_budget=cfg.rl.token_budget, aux_losses=cfg.rl.aux_losses),
-            weights=weights,
-        )
-        ctl = _controller(cfg, dirs.root, records, held_out, tok) if groups.rank == 0 else None
-        sync = FilesystemWeightSync(dirs.weights, ctl.engines if ctl else None,
-                                    keep=cfg.rl.keep_weight_versions)
-        sync.push(policy, 0)  # the servers start from the trainer's weights
-        train(cfg.rl, policy, sync, ctl)
-        if ctl is not None:
-            plot = ctl.logger.close(("reward/mean", "eval/pass_rate"))
-            Console().print(summary_table(ctl.logger.path))
-            Console().print(f"metrics: {ctl.logger.path}" + (f"  plot: {plot}" if plot else ""))
+        with StopOnSignal(STOP_SIGNALS if cfg.checkpoint.enabled else ()) as stop:
+            _run(cfg, dirs, groups, stop)
         return 0
     finally:
         destroy_parallel()
+
+
+def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSignal) -> None:
+    tok = ByteTokenizer(cfg.model.vocab_size)
+    records, held_out, _ = load_prompts(cfg.data)
+    ckpt = _checkpoints(cfg, records, held_out)
+    # A checkpoint holds the policy after SFT and RL: no SFT again on resume.
+    resuming = ckpt is not None and ckpt.found() is not None
+    weights = (sft_phase(cfg, groups, tok, records, dirs.sft_weights)
+               if cfg.sft.steps and not resuming else None)
+    objective_cfg = from_dict(objective_config_class(cfg.rl.objective),
+                              cfg.rl.objective_args, "rl.objective_args")
+    policy = Policy.build(
+        cfg.model, cfg.parallel, cfg.optim, build_objective(cfg.rl.objective, objective_cfg),
+        groups, PolicyConfig(token_budget=cfg.rl.token_budget, aux_losses=cfg.rl.aux_losses),
+        weights=weights, reference_weights=ckpt.reference_weights() if ckpt else None,
+    )
+    state = ckpt.load(policy) if ckpt else None
+    start = state.next_step if state else 0
+    ctl = _controller(cfg, dirs.root, records, held_out, tok) if groups.rank == 0 else None
+    if ctl is not None:
+        if state is not None:
+            ctl.prompts.restore(state.prompts, strict=not cfg.checkpoint.allow_changed_data)
+        ctl.logger.drop_from(start)  # rows a killed attempt logged after its checkpoint
+    if ctl is not None and cfg.rl.task_source == "agent":  # terminal episodes, not prompts
+        from moerl.rl.agent.collect import build_agent_collector
+
+        ctl.collector = build_agent_collector(cfg.rl, cfg.model.max_position_embeddings, tok)
+        ctl.held_out = []  # the held-out prompts are code tasks, not agent tasks
+    if groups.rank == 0:  # versions an earlier attempt published are stale
+        shutil.rmtree(dirs.weights, ignore_errors=True)
+    barrier()
+    # moerl servers load Megatron weights; vllm/sglang an HF export of them.
+    sync = build_weight_sync(cfg.rollout.engine, dirs.weights, ctl.engines if ctl else None,
+                             keep=cfg.rl.keep_weight_versions,
+                             hf_model_dir=cfg.rollout.hf_model_dir, dtype=cfg.rollout.dtype)
+    sync.push(policy, start)  # the servers start from the trainer's (resumed) weights
+    on_step_end = ckpt.step_end_hook(policy, stop, cfg.rl.steps) if ckpt else None
+    train(cfg.rl, policy, sync, ctl, start_step=start, on_step_end=on_step_end)
+    if ckpt is not None:
+        ckpt.close()
+    if ctl is not None:
+        plot = ctl.logger.close(("reward/mean", "eval/pass_rate"))
+        Console().print(summary_table(ctl.logger.path))
+        Console().print(f"metrics: {ctl.logger.path}" + (f"  plot: {plot}" if plot else ""))

@@ -41,6 +41,10 @@ class MoEArch:
     num_query_groups: int | None = None  # GQA only
     kv_channels: int | None = None  # GQA only; defaults to hidden_size / heads
     rotary_base: float = 10000.0
+    latent_norms: bool = False
+    """MLA's RMSNorms on the q and kv latents (DeepSeek-V3 family checkpoints have them;
+    the published presets and Hugging Face imports set this). Off in `tiny`: with them
+    on, one Adam step under EP2 / TP2 does not yet reproduce the single-process weights."""
 
     # Feed-forward. Layers [0, first_k_dense) are dense SwiGLU, the rest MoE.
     ffn_hidden_size: int = 18432  # dense layers
@@ -150,6 +154,7 @@ TINY = MoEArch(
 # Moonlight-16B-A3B (Moonshot AI): DeepSeek-V3 architecture, no q-LoRA.
 MOONLIGHT_16B_A3B = MoEArch(
     name="moonlight-16b-a3b",
+    latent_norms=True,
     num_layers=27,
     hidden_size=2048,
     num_attention_heads=16,
@@ -170,6 +175,7 @@ MOONLIGHT_16B_A3B = MoEArch(
 
 DEEPSEEK_V3 = MoEArch(
     name="deepseek-v3",
+    latent_norms=True,
     num_layers=61,
     hidden_size=7168,
     num_attention_heads=128,
@@ -190,6 +196,7 @@ DEEPSEEK_V3 = MoEArch(
 
 KIMI_K2 = MoEArch(
     name="kimi-k2",
+    latent_norms=True,
     num_layers=61,
     hidden_size=7168,
     num_attention_heads=64,

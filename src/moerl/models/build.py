@@ -120,11 +120,10 @@ def build_transformer_config(
         kwargs.update(mtp_num_layers=arch.mtp_num_layers, mtp_loss_scaling_factor=0.1)
     if fp8 is not None:
         kwargs.update(fp8="e4m3" if fp8 in ("blockwise", "mxfp8") else "hybrid", fp8_recipe=fp8)
+    if arch.attention == "mla":
+        kwargs["qk_layernorm"] = arch.latent_norms  # see MoEArch.latent_norms
     kwargs.update(overrides)
     if arch.attention == "mla":
-        # The DeepSeek-V3 family's q/kv latent norms are built on request
-        # (qk_layernorm=True, as the Hugging Face import does): with them on, one Adam
-        # step under EP2 / TP2 does not yet reproduce the single-process weights.
         return MLATransformerConfig(
             **kwargs,
             q_lora_rank=arch.q_lora_rank,

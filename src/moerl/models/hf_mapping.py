@@ -105,6 +105,7 @@ def arch_from_hf_config(config: Mapping[str, Any] | Any, name: str | None = None
         vocab_size=int(_get(config, "vocab_size")),
         max_position_embeddings=int(_get(config, "max_position_embeddings", 4096)),
         attention="mla",
+        latent_norms=True,
         q_lora_rank=None if q_lora is None else int(q_lora),
         kv_lora_rank=int(_get(config, "kv_lora_rank")),
         qk_head_dim=int(_get(config, "qk_nope_head_dim")),

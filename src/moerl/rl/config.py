@@ -26,6 +26,36 @@ class SamplingConfig:
 
 
 @dataclass
+class AgentTasksConfig:
+    """`rl.agent`: multi-step terminal episodes as the RL data (`rl.task_source=agent`).
+
+    Tasks come from the shipped suite (moerl.rl.agent.suite); each RL step runs
+    `rl.prompts_per_step` tasks `rl.group_size` times each. Token limits bound one
+    episode: the whole sequence (prompt, model turns, observations) is what the trainer
+    forwards, so `max_episode_tokens` must fit the model's positions.
+    """
+
+    tasks: list[str] = field(default_factory=list)  # id globs, e.g. ["files-*"]; []: all
+    categories: list[str] = field(default_factory=list)  # files, fix-test, c, logs, git
+    max_turns: int = 4
+    context_tokens: int = 1024  # what the model sees per turn (prompt + new tokens)
+    max_new_tokens: int = 64  # per model turn
+    max_observation_tokens: int = 256
+    max_episode_tokens: int = 1024
+    max_concurrency: int = 4  # episodes at once (each runs commands in the sandbox)
+    compact_tools: bool = True  # one line per tool: small contexts
+    isolation: Literal["strict", "no-cgroups"] = "strict"
+    loss_on_truncated_context: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_new_tokens", "max_observation_tokens", "max_concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rl.agent.{name}: must be >= 1")
+        if self.context_tokens <= self.max_new_tokens:
+            raise ValueError("rl.agent.context_tokens: must exceed rl.agent.max_new_tokens")
+
+
+@dataclass
 class RLConfig:
     """The `rl` group: what one RL step does, and how many."""
 
@@ -55,6 +85,10 @@ class RLConfig:
     # alongside the policy, e.g. so MTP drafts stay accepted by a moving policy.
     aux_losses: bool = False
     seed: int = 0
+    # prompts: single-shot completions of data prompts, scored by the reward servers;
+    # agent: multi-step terminal episodes (rl.agent), scored by the tasks' verifiers.
+    task_source: Literal["prompts", "agent"] = "prompts"
+    agent: AgentTasksConfig = field(default_factory=AgentTasksConfig)
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -65,6 +99,13 @@ class RLConfig:
             raise ValueError("rl.max_staleness: must be >= 0")
         if self.overlong_buffer >= self.sampling.max_tokens and self.overlong_buffer:
             raise ValueError("rl.overlong_buffer: must be smaller than rl.sampling.max_tokens")
+        if self.task_source == "agent":
+            from moerl.rl.agent.suite import SuiteError, select_tasks
+
+            try:
+                select_tasks(self.agent.tasks, self.agent.categories)
+            except SuiteError as err:
+                raise ValueError(f"rl.agent.tasks / rl.agent.categories: {err}") from err
 
 
 @dataclass

@@ -42,6 +42,8 @@ class Controller:
     held_out: list[PromptRecord]
     encode: Callable[[str], list[int]]
     logger: MetricsLogger
+    collector: Callable[[Controller, RLConfig, int], Batch] | None = None
+    """Replaces the prompt collect below, e.g. agent episodes (rl/agent/collect.py)."""
 
 
 @dataclass
@@ -52,6 +54,8 @@ class Batch:
 
 def collect(ctl: Controller, cfg: RLConfig, step: int) -> Batch:
     """Generate, score and filter until the step has its groups (or rounds run out)."""
+    if ctl.collector is not None:
+        return ctl.collector(ctl, cfg, step)
     timer, kept, seen = StepTimer(), list[ScoredGroup](), list[ScoredGroup]()
     reward_metrics: dict[str, float] = {}
     for _ in range(cfg.max_generation_rounds):
@@ -97,17 +101,29 @@ def drop_stale(batch: Batch, version: int, max_staleness: int) -> Batch:
     return Batch(fresh, metrics)
 
 
+@dataclass(frozen=True)
+class StepEnd:
+    """What `on_step_end` learns after a step trained and its weights were pushed."""
+
+    step: int
+    prompts: dict[str, int] | None
+    """Controller only: the PromptStream state where the next step's prompts begin."""
+    collected_ahead: int = 0
+    """Async: batches already collected for later steps (a resume collects them again)."""
+
+
 def train(cfg: RLConfig, policy: Policy, sync: WeightSync, ctl: Controller | None,
-          start_step: int = 0, on_step_end: Callable[[int], None] | None = None) -> None:
+          start_step: int = 0, on_step_end: Callable[[StepEnd], None] | None = None) -> None:
     """RL steps [start_step, cfg.steps). `ctl` is None on every rank but the controller.
 
     The rollout servers must already serve the policy's current weights as version
-    `start_step`.
+    `start_step`. Evaluations run at step 0, every `eval_interval` steps and at the
+    end, so a resumed run evaluates where an uninterrupted one would.
     """
     producer = _Producer(ctl, cfg, start_step) if cfg.mode == "async" and ctl else None
     for step in range(start_step, cfg.steps):
-        if ctl is not None and (step == start_step or (cfg.eval_interval and
-                                                       step % cfg.eval_interval == 0)):
+        if ctl is not None and (step == 0 or (cfg.eval_interval and
+                                              step % cfg.eval_interval == 0)):
             scores = evaluate(ctl.engines, ctl.judges, ctl.held_out, _greedy(cfg), ctl.encode, step)
             ctl.logger.log(step, scores)
             print(f"eval at step {step}: pass rate {scores.get('eval/pass_rate', 0):.3f}",
@@ -127,12 +143,20 @@ def train(cfg: RLConfig, policy: Policy, sync: WeightSync, ctl: Controller | Non
             ctl.logger.log(step, row)
             _print_step(step, cfg.steps, row)
         if on_step_end is not None:
-            on_step_end(step)
+            on_step_end(_step_end(step, ctl, producer))
     if producer:
         producer.stop()
     if ctl is not None:
         ctl.logger.log(cfg.steps, evaluate(ctl.engines, ctl.judges, ctl.held_out, _greedy(cfg),
                                            ctl.encode, cfg.steps))
+
+
+def _step_end(step: int, ctl: Controller | None, producer: _Producer | None) -> StepEnd:
+    if ctl is None:
+        return StepEnd(step, None)
+    if producer is None:  # sync: the stream stands where step + 1 will take from
+        return StepEnd(step, ctl.prompts.state())
+    return producer.step_end(step, ctl)
 
 
 _SHOWN = (("reward/mean", "reward"), ("reward/pass_rate", "pass"), ("train/kl_ref", "kl"),
@@ -162,6 +186,8 @@ class _Producer:
         self.queue: queue.Queue[Batch | BaseException] = queue.Queue()
         self.slots = threading.Semaphore(max(cfg.max_staleness, 1))
         self.stopping = threading.Event()
+        self.lock = threading.Lock()
+        self.starts: dict[int, dict[str, int]] = {}  # step -> stream state before collecting it
         self.thread = threading.Thread(target=self._run, args=(ctl, cfg, start_step),
                                        name="rl-producer", daemon=True)
         self.thread.start()
@@ -172,6 +198,8 @@ class _Producer:
                 self.slots.acquire()
                 if self.stopping.is_set():
                     return
+                with self.lock:
+                    self.starts[step] = ctl.prompts.state()
                 self.queue.put(collect(ctl, cfg, step))
         except BaseException as err:  # surfaced in the training thread
             self.queue.put(err)
@@ -182,6 +210,16 @@ class _Producer:
         if isinstance(item, BaseException):
             raise RuntimeError(f"rollout collection failed: {item}") from item
         return item
+
+    def step_end(self, step: int, ctl: Controller) -> StepEnd:
+        """Where step + 1's prompts begin, although later batches may be collected
+        (or being collected) already: the stream state recorded before each collect."""
+        with self.lock:
+            for done in [k for k in self.starts if k <= step]:
+                del self.starts[done]
+            # Not started yet: nothing has moved the stream past step + 1's start.
+            prompts = self.starts.get(step + 1) or ctl.prompts.state()
+            return StepEnd(step, prompts, collected_ahead=len(self.starts))
 
     def stop(self) -> None:
         self.stopping.set()

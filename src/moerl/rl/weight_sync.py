@@ -1,24 +1,54 @@
 """Trainer -> rollout servers: publish new weights, tell every server to load them.
 
-The filesystem path (the one every cluster has): all trainer ranks write the
-weights together to `<root>/v<version>` (atomic; see models.weights), then the
-controller asks each rollout server to load that directory. An NCCL broadcast
-path for GPU clusters fits the same `WeightSync` protocol: `push` would stream
-the tensors to engines that joined a process group instead of writing files.
+Two filesystem strategies, chosen from `rollout.engine` by `build_weight_sync`:
+
+- `FilesystemWeightSync` (our own servers): all trainer ranks write the Megatron
+  weights together to `<root>/v<version>` (atomic; see models.weights), then the
+  controller asks each server to load that directory.
+- `HFExportWeightSync` (vLLM, SGLang: they read Hugging Face checkpoints only):
+  the shards are gathered to global rank 0 over tensor, expert and pipeline
+  parallelism (`models.hf.export_hf`: every rank takes part, rank 0 writes
+  safetensors + config.json), the directory is completed with the served model's
+  tokenizer files and renamed into place, and only then does the controller send
+  the engine's update call (`rollout.backends.weight_update_calls`) naming it.
+
+`engines` is given on the controller only, which is global rank 0 (the rank that
+writes the HF export); every trainer rank calls `push`.
+
+Room for an NCCL path (not implemented): `WeightBroadcast` below is the interface
+a GPU-cluster sync would fill, streaming tensors to engines that joined a process
+group instead of writing files; docs/architecture.md ("Weight sync") maps it onto
+the engines' endpoints.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
+from moerl.models.arch import MoEArch
+from moerl.rl.rollout.backends import check_engine
 from moerl.rl.rollout.client import RolloutClient
+
+# Files of the served HF directory that are not weights and that a new version keeps.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_REWRITTEN = ("config.json", "model.safetensors.index.json")
 
 
 class Publisher(Protocol):
+    """What a weight sync reads from the policy."""
+
+    arch: MoEArch
+
+    @property
+    def chunks(self) -> list[torch.nn.Module]: ...
+
     def publish(self, directory: str | Path) -> Path: ...
 
 
@@ -26,17 +56,31 @@ class WeightSync(Protocol):
     def push(self, policy: Publisher, version: int) -> None: ...
 
 
-class FilesystemWeightSync:
-    """`engines` is given on the controller rank only; every rank calls `push`."""
+class WeightBroadcast(Protocol):
+    """Interface for streaming weights to engines over NCCL (GPU clusters; no
+    implementation yet). The trainer's rank 0 and every engine worker form one
+    process group; tensors go out in Hugging Face names and dtypes, bucketed.
+    """
 
-    def __init__(self, root: Path, engines: RolloutClient | None, keep: int = 2) -> None:
-        self.root, self.engines, self.keep = root, engines, max(keep, 1)
+    def join(self, engines: RolloutClient, master: str, port: int) -> None:
+        """Ask every engine to join the group (SGLang `/init_weights_update_group`;
+        vLLM a worker-extension method through `/collective_rpc`), then join it."""
+        ...
+
+    def broadcast(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Announce names/dtypes/shapes of a bucket (SGLang
+        `/update_weights_from_distributed`), broadcast it, and tag `version`."""
+        ...
+
+
+class _Announcer:
+    """Tells the servers about a published directory, keeping the last `keep`."""
+
+    def __init__(self, root: Path, engines: RolloutClient | None, keep: int) -> None:
+        self.root, self.engines, self.keep = Path(root), engines, max(keep, 1)
         self.published: list[Path] = []
 
-    def push(self, policy: Publisher, version: int) -> None:
-        path = policy.publish(self.root / f"v{version:06d}")
-        if dist.is_initialized():
-            dist.barrier()
+    def _announce(self, path: Path, version: int) -> None:
         if self.engines is None:
             return
         self.engines.update_weights(path, version)
@@ -44,3 +88,92 @@ class FilesystemWeightSync:
         # Servers hold their weights in memory once loaded: older directories can go.
         while len(self.published) > self.keep:
             shutil.rmtree(self.published.pop(0), ignore_errors=True)
+
+
+class FilesystemWeightSync(_Announcer):
+    """Megatron weights for our own servers (`rollout.engine=moerl`)."""
+
+    def push(self, policy: Publisher, version: int) -> None:
+        path = policy.publish(self.root / f"v{version:06d}")
+        if dist.is_initialized():
+            dist.barrier()
+        self._announce(path, version)
+
+
+class HFExportWeightSync(_Announcer):
+    """A Hugging Face export per version for vLLM and SGLang.
+
+    `served_dir`: the HF directory the engines were started on (`rollout.hf_model_dir`):
+    its config.json is the base of each export's (token ids, RoPE scaling) and its
+    tokenizer files are copied along. `dtype`: of the exported weights (None: the
+    model's).
+    """
+
+    def __init__(self, root: Path, engines: RolloutClient | None, keep: int = 2,
+                 served_dir: str | Path | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(root, engines, keep)
+        self.served_dir = Path(served_dir) if served_dir else None
+        self.dtype = dtype
+        config = self.served_dir / "config.json" if self.served_dir else None
+        self.base_config: dict[str, Any] | None = (
+            json.loads(config.read_text()) if config is not None and config.is_file() else None)
+
+    def push(self, policy: Publisher, version: int) -> None:
+        from moerl.models.hf import export_hf
+
+        chunks = policy.chunks
+        check_exportable(chunks)  # same answer on every rank: none is left in a collective
+        final = self.root / f"v{version:06d}"
+        partial = final.with_name(final.name + ".partial")
+        writer = not dist.is_initialized() or dist.get_rank() == 0
+        if writer:
+            shutil.rmtree(partial, ignore_errors=True)
+        export_hf(chunks, policy.arch, partial, base_config=self.base_config, dtype=self.dtype)
+        if not writer:
+            return
+        self._copy_tokenizer(partial)
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)  # servers never see a half-written directory
+        self._announce(final, version)
+
+    def _copy_tokenizer(self, out: Path) -> None:
+        if self.served_dir is None or not self.served_dir.is_dir():
+            return
+        for item in self.served_dir.iterdir():
+            if (item.is_file() and item.name not in _REWRITTEN
+                    and not item.name.endswith(_WEIGHT_SUFFIXES)):
+                shutil.copy2(item, out / item.name)
+
+
+def check_exportable(chunks: list[torch.nn.Module]) -> None:
+    """Refuse models the Hugging Face DeepSeek-V3 layout cannot hold."""
+    inner: Any = chunks[0]
+    while hasattr(inner, "module"):
+        inner = inner.module
+    config = inner.config
+    if getattr(config, "multi_latent_attention", False) and not config.qk_layernorm:
+        raise ValueError(
+            "rollout.engine: vllm/sglang serve Hugging Face DeepSeek-V3 weights, which have "
+            "q/kv latent norms this policy was built without; set model.latent_norms=true "
+            "(Hugging Face imports have it) or use rollout.engine=moerl")
+
+
+def export_dtype(name: str) -> torch.dtype | None:
+    """`rollout.dtype` as a torch dtype; None for "auto" (the model's own)."""
+    if name == "auto":
+        return None
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"rollout.dtype: {name!r} is not a torch dtype; use bfloat16, "
+                         "float16, float32 or auto")
+    return dtype
+
+
+def build_weight_sync(engine: str, root: Path, engines: RolloutClient | None, *, keep: int = 2,
+                      hf_model_dir: str | None = None, dtype: str = "auto") -> WeightSync:
+    """The strategy `rollout.engine` needs: Megatron weights for moerl, an HF export then
+    the engine's update call for vllm and sglang."""
+    if check_engine(engine) == "moerl":
+        return FilesystemWeightSync(root, engines, keep)
+    return HFExportWeightSync(root, engines, keep, served_dir=hf_model_dir,
+                              dtype=export_dtype(dtype))

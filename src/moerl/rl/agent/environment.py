@@ -40,6 +40,9 @@ class AgentTask:
     check: str = ""
     max_turns: int | None = None
     """Overrides the scheduler's turn limit for this task, if set."""
+    setup: str = ""
+    """bash run in the work dir after `files` are written, before the first snapshot
+    (e.g. to build a git history); the model does not see it."""
 
 
 @dataclass(frozen=True)

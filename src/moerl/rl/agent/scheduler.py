@@ -68,6 +68,8 @@ class SchedulerConfig:
     """The environment's own deadline for one operation (above any command's limit)."""
     temperature: float = 1.0
     seed: int | None = None
+    """Turn t of the i-th task of a `run` samples with seed + 1009 * i + t: episodes of
+    the same task (a GRPO group) get different samples, reproducibly."""
     compact_tools: bool = False
     """Describe tools in one line each instead of full schemas (small contexts)."""
 
@@ -113,12 +115,12 @@ class AgentScheduler:
                                 thread_name_prefix="agent") as pool:  # fmt: skip
             self._pool = pool
 
-            async def one(task: AgentTask) -> Trajectory:
+            async def one(task: AgentTask, index: int) -> Trajectory:
                 async with gate:
-                    return await self.episode(task)
+                    return await self.episode(task, index)
 
             try:
-                return list(await asyncio.gather(*(one(t) for t in tasks)))
+                return list(await asyncio.gather(*(one(t, i) for i, t in enumerate(tasks))))
             finally:
                 self._pool = None
 
@@ -138,10 +140,10 @@ class AgentScheduler:
         except Exception as exc:
             return failed, f"environment raised {type(exc).__name__}: {exc}"
 
-    async def episode(self, task: AgentTask) -> Trajectory:
+    async def episode(self, task: AgentTask, index: int = 0) -> Trajectory:
         env = self.env_factory()
         try:
-            return await _Episode(self, env, task).run()
+            return await _Episode(self, env, task, index).run()
         finally:
             _, why = await self._env_call(env.close, 60.0, None)
             if why:
@@ -151,8 +153,10 @@ class AgentScheduler:
 class _Episode:
     """The state of one episode; methods are the steps of `run`."""
 
-    def __init__(self, owner: AgentScheduler, env: Environment, task: AgentTask) -> None:
+    def __init__(self, owner: AgentScheduler, env: Environment, task: AgentTask,
+                 index: int = 0) -> None:  # fmt: skip
         self.s, self.env, self.task, self.cfg = owner, env, task, owner.config
+        self.seed = None if self.cfg.seed is None else self.cfg.seed + 1009 * index
         self.traj = Trajectory(task.id, [])
         self.since_snapshot: list[ToolCall] = []
         self.failures = 0
@@ -237,7 +241,7 @@ class _Episode:
             )
         sampling = SamplingParams(
             max_tokens=min(self.cfg.max_new_tokens, room), temperature=self.cfg.temperature,
-            stop=(CALL_CLOSE,), seed=None if self.cfg.seed is None else self.cfg.seed + turn,
+            stop=(CALL_CLOSE,), seed=None if self.seed is None else self.seed + turn,
         )  # fmt: skip
         try:
             (group,) = await self.s._call(

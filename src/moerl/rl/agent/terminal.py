@@ -44,12 +44,15 @@ _source = sys.stdin.read()
 
 
 def run(argv, timeout=10.0, stdin=""):
-    \"\"\"Run agent-written code in a child: (exit code or None on timeout, stdout+stderr).\"\"\"
+    \"\"\"Run agent-written code in a child: (exit code, stdout+stderr); the code is None
+    on a timeout or when the program cannot be started (e.g. it was never built).\"\"\"
     try:
         p = subprocess.run(argv, input=stdin, capture_output=True, text=True, errors="replace",
                            timeout=timeout, close_fds=True, cwd="/work")
     except subprocess.TimeoutExpired:
         return None, "timeout"
+    except OSError as exc:
+        return None, f"cannot start: {exc}"
     return p.returncode, p.stdout + p.stderr
 
 
@@ -177,6 +180,10 @@ class TerminalEnvironment:
                                 stdin=_tar_of(dict(task.files)))  # fmt: skip
             if result.status is not ExecutionStatus.OK:
                 return Observation("", fault=f"cannot set up the work dir: {_why(result)}")
+        if task.setup:
+            result = self._exec(["/bin/bash", "-e", "-c", task.setup])
+            if result.status is not ExecutionStatus.OK:
+                return Observation("", fault=f"the task's setup failed: {_why(result)}")
         self._snapshot = None
         if not self.snapshot():
             return Observation("", fault="cannot snapshot the initial work dir")

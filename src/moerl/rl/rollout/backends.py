@@ -5,12 +5,14 @@ on the trainer's Megatron model), `vllm` or `sglang`. The last two serve a Huggi
 Face directory (`rollout.hf_model_dir`) and are started from the argv built here; the
 launcher wraps that argv in `python -m moerl.rl.rollout.backends -- ARGV`, which waits
 for the engine's `/health` and then announces it in the rendezvous directory as our
-own server does. Neither engine can run on a CPU machine: here only the generated
-argv and requests are tested; a GPU check has to exercise the real calls.
+own server does. Neither engine can run on a CPU machine: here the generated argv
+and requests are tested, and replies in their formats are parsed (`rollout.wire`);
+a GPU check has to exercise the real calls.
 
 Weight updates. Both engines read Hugging Face weights, so the directory handed to
-`RolloutClient.update_weights` must hold the HF-format checkpoint written by
-`moerl hf export <weights_dir> <hf_dir>`, not the trainer's Megatron weights.
+`RolloutClient.update_weights` must hold an HF-format checkpoint, not the trainer's
+Megatron weights: `rl.weight_sync.HFExportWeightSync` writes one per version
+(`moerl hf export <weights_dir> <hf_dir>` does the same by hand).
 
 - sglang: `POST /update_weights_from_disk {"model_path": dir}` (SGLang's documented
   in-place reload; it pauses generation while loading).

@@ -1,8 +1,9 @@
 """`RolloutClient`: the RL loop's side of the rollout servers.
 
-Prompts go out in chunks (one `/v1/completions` call each, which the server
-batches together), as many chunks as live servers but at most `prompts_per_call`
-prompts each, each chunk to the live server with the fewest calls in flight.
+Prompts go out in chunks (one generation call each, which the server batches
+together; the request and reply formats of each engine are in `rollout.wire`),
+as many chunks as live servers but at most `prompts_per_call` prompts each,
+each chunk to the live server with the fewest calls in flight.
 A refused connection, a timeout or a 5xx marks that server dead (a 503
 "updating" only moves the call elsewhere) and the call is retried on another
 server after a capped, jittered backoff; after `max_attempts` the step fails with
@@ -12,7 +13,8 @@ them answer again.
 
 With `sampling.seed = s`, prompt i of a `generate` call is sampled with seed
 s + i (the server gives prompt j of a call seed + j), so the samples do not depend
-on how prompts were chunked or which server served them.
+on how prompts were chunked or which server served them (vLLM seeds a whole call,
+so with a seed its calls carry one prompt each).
 """
 
 from __future__ import annotations
@@ -25,17 +27,21 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from moerl.launchers.stages import read_endpoints
 from moerl.rl.rollout.backends import check_engine, weight_update_calls
-from moerl.rl.rollout.types import RequestError, Sample, SamplingParams, SpeculationStats
+from moerl.rl.rollout.types import RequestError, Sample, SamplingParams
+from moerl.rl.rollout.wire import (
+    EngineAborted,
+    GenerationCall,
+    Prompt,
+    generation_call,
+    parse_generation,
+)
 
 log = logging.getLogger(__name__)
-
-Prompt = str | Sequence[int]
 
 
 class RolloutUnavailable(RuntimeError):
@@ -71,7 +77,10 @@ class RolloutClient:
                  config: ClientConfig | None = None,
                  transport: httpx.BaseTransport | None = None, engine: str = "moerl") -> None:
         self.config = config or ClientConfig()
-        self.engine = check_engine(engine)  # which server kind: how weight updates are asked
+        self.engine = check_engine(engine)  # which server kind: its wire format and updates
+        # The version last loaded by every live server: reported for engines whose
+        # replies name none (vLLM). -1 until the first `update_weights`.
+        self.weight_version = -1
         found = list(urls) + (discover(rendezvous_dir) if rendezvous_dir else [])
         self.urls = list(dict.fromkeys(u.rstrip("/") for u in found))
         if not self.urls:
@@ -132,37 +141,30 @@ class RolloutClient:
         base = dataclasses.replace(sampling or SamplingParams(), n=n)
         live = max(1, len(self.urls) - len(self.dead))
         step = max(1, min(self.config.prompts_per_call, -(-len(prompts) // live)))
-        chunks = [list(prompts[i : i + step]) for i in range(0, len(prompts), step)]
-        bodies = [self._body(chunk, base, i * step) for i, chunk in enumerate(chunks)]
-        workers = max(1, min(self.config.max_in_flight, len(bodies)))
+        if self.engine == "vllm" and base.seed is not None:
+            step = 1  # vLLM seeds a whole call: one prompt per call keeps seed + i per prompt
+        calls = [self._call(prompts[i : i + step], base, i) for i in range(0, len(prompts), step)]
+        workers = max(1, min(self.config.max_in_flight, len(calls)))
         with ThreadPoolExecutor(workers, thread_name_prefix="rollout-client") as pool:
-            flat = [s for samples in pool.map(self._complete, bodies) for s in samples]
+            flat = [s for samples in pool.map(self._complete, calls) for s in samples]
         # Choices come prompt-major: prompt j's samples are j*n .. j*n + n-1.
         return [flat[j * n : (j + 1) * n] for j in range(len(prompts))]
 
-    def _body(self, chunk: list[Prompt], sampling: SamplingParams, first: int) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "prompt": [p if isinstance(p, str) else list(p) for p in chunk],
-            "n": sampling.n, "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-            "stop": list(sampling.stop) or None, "stop_token_ids": list(sampling.stop_token_ids),
-            "ignore_eos": sampling.ignore_eos, "logprob_mode": sampling.logprob_mode,
-            "seed": None if sampling.seed is None else sampling.seed + first, "logprobs": 1,
-        }
-        if self.config.model:
-            body["model"] = self.config.model
-        return body
+    def _call(self, chunk: Sequence[Prompt], sampling: SamplingParams, first: int
+              ) -> GenerationCall:
+        seed = None if sampling.seed is None else sampling.seed + first
+        return generation_call(self.engine, chunk, sampling, seed, self.config.model)
 
-    def _complete(self, body: dict[str, Any]) -> list[Sample]:
+    def _complete(self, call: GenerationCall) -> list[Sample]:
         last: Exception | None = None
         url: str | None = None
         for attempt in range(self.config.max_attempts):
             url = self._pick(avoid=url)
             try:
-                samples = self._post_completion(url, body)
-                if len(samples) != len(body["prompt"]) * body["n"]:
+                samples = self._post(url, call)
+                if len(samples) != call.expected:
                     raise RolloutUnavailable(f"{url} answered {len(samples)} choices for "
-                                             f"{len(body['prompt'])} prompts x n={body['n']}")
+                                             f"{len(call.prompts)} prompts x n={call.n}")
                 return samples
             except _Retryable as exc:
                 last = exc
@@ -175,9 +177,10 @@ class RolloutClient:
         raise RolloutUnavailable(f"generation failed after {self.config.max_attempts} "
                                  f"attempts: {last}")
 
-    def _post_completion(self, url: str, body: dict[str, Any]) -> list[Sample]:
+    def _post(self, url: str, call: GenerationCall) -> list[Sample]:
+        version = self.weight_version  # what the server holds when the call goes out
         try:
-            reply = self._http.post(f"{url}/v1/completions", json=body)
+            reply = self._http.post(f"{url}{call.path}", json=call.body)
         except httpx.TransportError as exc:  # refused, reset, timed out
             raise _Retryable(f"{url}: {type(exc).__name__}: {exc}", dead=True) from exc
         if reply.status_code == 503 and reply.headers.get("retry-after"):
@@ -187,7 +190,10 @@ class RolloutClient:
             raise _Retryable(f"{url}: HTTP {reply.status_code}: {reply.text}", dead=True)
         if reply.status_code >= 400:  # our request is wrong: retrying elsewhere cannot help
             raise RequestError(f"{url} refused the request: HTTP {reply.status_code}: {reply.text}")
-        return parse_samples(reply.json())
+        try:
+            return parse_generation(self.engine, call, reply.json(), version)
+        except EngineAborted as exc:  # e.g. a weight update aborted it: not the server's fault
+            raise _Retryable(f"{url}: {exc}", dead=False) from exc
 
     # -- weights --------------------------------------------------------------------------
 
@@ -216,6 +222,7 @@ class RolloutClient:
         if failures or not live:
             why = failures or "no live server"
             raise RolloutUnavailable(f"weight update to version {version} failed: {why}")
+        self.weight_version = version
 
 
 def _refused(reply: httpx.Response) -> bool:
@@ -225,24 +232,3 @@ def _refused(reply: httpx.Response) -> bool:
     except ValueError:
         return False
     return isinstance(body, dict) and body.get("success") is False
-
-
-def parse_samples(reply: dict[str, Any]) -> list[Sample]:
-    """Samples from an OpenAI completions response, using this server's extensions."""
-    version = int(reply.get("weight_version", -1))
-    samples = []
-    for choice in sorted(reply["choices"], key=lambda c: c["index"]):
-        logprobs = choice.get("token_logprobs")
-        if logprobs is None and choice.get("logprobs"):
-            logprobs = choice["logprobs"]["token_logprobs"]
-        samples.append(Sample(
-            prompt_token_ids=tuple(choice.get("prompt_token_ids") or ()),
-            token_ids=tuple(choice.get("token_ids") or ()),
-            logprobs=tuple(logprobs or ()),
-            finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
-            weight_version=version,
-            text=choice.get("text", ""),
-            speculation=SpeculationStats(**choice["speculation"]) if choice.get("speculation")
-            else None,
-        ))
-    return samples

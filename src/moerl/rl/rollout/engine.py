@@ -209,7 +209,7 @@ def build_engine(preset: str | MoEArch, tokenizer: Tokenizer, *,
     """A one-process engine for model `preset`: weights from `weights` (version 0),
     or a random init from `seed`."""
     from moerl.models.arch import get_preset
-    from moerl.models.build import build_model
+    from moerl.models.build import build_model, te_available
     from moerl.models.weights import load_weights
     from moerl.parallel.groups import init_parallel
     from moerl.parallel.layout import ParallelLayout
@@ -222,7 +222,10 @@ def build_engine(preset: str | MoEArch, tokenizer: Tokenizer, *,
         )
     layout = ParallelLayout()
     init_parallel(layout, seed=seed)
-    (model,) = build_model(arch, layout)
+    # On a GPU the model runs in bf16 (as the trainer does with TE): the dynamic
+    # engine's flash attention takes fp16/bf16 only. CPU keeps fp32.
+    cuda = torch.cuda.is_available()
+    (model,) = build_model(arch, layout, te=cuda and te_available(), bf16=cuda)
     if weights is not None:
         load_weights([model], weights)
     return MegatronEngine(model, tokenizer, arch.max_position_embeddings, options,
