@@ -1,4 +1,5 @@
-"""A real rollout server process on 127.0.0.1 serving a random tiny MoE, for tests."""
+"""Real server processes on 127.0.0.1 for tests: a rollout server serving a random tiny
+MoE, a reward server with the built-in rewards."""
 
 from __future__ import annotations
 
@@ -11,33 +12,53 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from moerl.rl.rollout.client import RolloutClient, discover
+from moerl.launchers.stages import read_endpoints
+from moerl.rl.rollout.client import RolloutClient
 
 
 @contextmanager
 def rollout_server(rendezvous: Path, seed: int) -> Iterator[RolloutClient]:
-    """Start `moerl.rl.rollout.server`, wait until it announces itself in `rendezvous`,
-    yield a client for it, and stop it (SIGTERM, then SIGKILL) afterwards."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moerl.rl.rollout.server", "--host", "127.0.0.1", "--port", "0",
-         "--seed", str(seed), "--rendezvous-dir", str(rendezvous), "--max-batch", "8"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 180  # generous: the machine may be shared
-        while not discover(rendezvous):
-            if proc.poll() is not None:
-                assert proc.stderr is not None
-                raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-3000:]}")
-            assert time.monotonic() < deadline, "rollout server did not come up"
-            time.sleep(0.2)
+    """A rollout server announced in `rendezvous` and a client for it, stopped after."""
+    with started(rollout_command(rendezvous, seed), rendezvous, "rollout"):
         client = RolloutClient(rendezvous_dir=rendezvous)
         yield client
         client.close()
+
+
+def rollout_command(rendezvous: Path, seed: int, port: int = 0) -> list[str]:
+    return [sys.executable, "-m", "moerl.rl.rollout.server", "--host", "127.0.0.1",
+            "--port", str(port), "--seed", str(seed), "--rendezvous-dir", str(rendezvous),
+            "--max-batch", "8"]
+
+
+def reward_command(rendezvous: Path, port: int = 0) -> list[str]:
+    return [sys.executable, "-m", "moerl.rl.rewards.server", "--host", "127.0.0.1",
+            "--port", str(port), "--max-concurrency", "2", "--rendezvous-dir", str(rendezvous),
+            "--reward", "stdio=stdio", "--reward", "format=format"]
+
+
+@contextmanager
+def started(argv: list[str], rendezvous: Path, stage: str) -> Iterator[subprocess.Popen[bytes]]:
+    """Run `argv` until it announces a `stage` endpoint in `rendezvous` (a directory of
+    its own); yield the process; stop it afterwards (SIGTERM, then SIGKILL) if it runs."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    assert not read_endpoints(rendezvous, stage), f"{rendezvous} has a {stage} endpoint already"
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 180  # generous: the machine may be shared
+        while not read_endpoints(rendezvous, stage):
+            if proc.poll() is not None:
+                assert proc.stderr is not None
+                raise RuntimeError(f"{stage} server exited: "
+                                   f"{proc.stderr.read().decode()[-3000:]}")
+            assert time.monotonic() < deadline, f"{stage} server did not come up"
+            time.sleep(0.2)
+        yield proc
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
