@@ -122,8 +122,8 @@ def train(cfg: RLConfig, policy: Policy, sync: WeightSync, ctl: Controller | Non
     """
     producer = _Producer(ctl, cfg, start_step) if cfg.mode == "async" and ctl else None
     for step in range(start_step, cfg.steps):
-        if ctl is not None and (step == 0 or (cfg.eval_interval and
-                                              step % cfg.eval_interval == 0)):
+        if ctl is not None and ctl.held_out and (step == 0 or (cfg.eval_interval and
+                                                               step % cfg.eval_interval == 0)):
             scores = evaluate(ctl.engines, ctl.judges, ctl.held_out, _greedy(cfg), ctl.encode, step)
             ctl.logger.log(step, scores)
             print(f"eval at step {step}: pass rate {scores.get('eval/pass_rate', 0):.3f}",
@@ -146,7 +146,7 @@ def train(cfg: RLConfig, policy: Policy, sync: WeightSync, ctl: Controller | Non
             on_step_end(_step_end(step, ctl, producer))
     if producer:
         producer.stop()
-    if ctl is not None:
+    if ctl is not None and ctl.held_out:  # agent tasks have no held-out prompts
         ctl.logger.log(cfg.steps, evaluate(ctl.engines, ctl.judges, ctl.held_out, _greedy(cfg),
                                            ctl.encode, cfg.steps))
 
