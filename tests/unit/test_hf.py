@@ -114,3 +114,113 @@ def test_every_megatron_tensor_maps_both_ways_with_mtp(rope_interleave: bool) ->
     back = hf_to_megatron(hf.__getitem__, arch, rope_interleave)
     assert sorted(back) == sorted(meg)
     assert all(torch.equal(back[k], meg[k]) for k in meg)
+
+
+# YaRN. The published values (config.json of each release, also in Megatron-Bridge's
+# DeepSeekV3ModelProvider / KimiK2Provider): DeepSeek-V3 rope_theta 10000 with
+# {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+# "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}; Kimi-K2-Instruct rope_theta 50000
+# with {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+# "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}; Moonlight
+# has no RoPE scaling.
+PUBLISHED_ROPE: dict[str, tuple[float, dict[str, object] | None]] = {
+    "deepseek-v3": (10000, {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                            "mscale_all_dim": 1.0}),
+    "kimi-k2": (50000.0, {"type": "yarn", "factor": 32.0,
+                          "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                          "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    "moonlight-16b-a3b": (50000.0, None),
+}
+PRESET_OF = {"deepseek-v3": DEEPSEEK_V3, "kimi-k2": KIMI_K2, "moonlight-16b-a3b": MOONLIGHT_16B_A3B}
+
+
+@pytest.mark.parametrize("type_key", ["type", "rope_type"])
+@pytest.mark.parametrize("name", sorted(PUBLISHED_ROPE))
+def test_presets_carry_the_published_rope(name: str, type_key: str) -> None:
+    preset = PRESET_OF[name]
+    theta, scaling = PUBLISHED_ROPE[name]
+    if scaling is not None:
+        scaling = {(type_key if k == "type" else k): v for k, v in scaling.items()}
+    # The release's config.json (legacy keys), as transformers 4 wrote it.
+    config = hf_config_from_arch(preset)
+    for key in ("rope_parameters", "rope_scaling", "rope_theta"):
+        config.pop(key)
+    config.update(rope_theta=theta, rope_scaling=scaling)
+    assert arch_from_hf_config(config, name=name) == preset.replace(aux_loss_coeff=1e-4)
+
+
+YARN_CASES = {
+    # DeepSeek-V3's mscales: cos/sin unscaled, softmax scaled by m(1)^2.
+    "deepseek": {"mscale": 1.0, "mscale_all_dim": 1.0},
+    # No mscale: transformers scales cos/sin by m(1) and the softmax by m(1)^2, which
+    # Megatron reaches only with a solved-for mscale (models.build._rope_kwargs).
+    "no_mscale": {"mscale_all_dim": 1.0},
+}
+
+
+def _yarn(case: str) -> dict[str, object]:
+    # Positions 0..11 of the test rows run past original_max_position_embeddings = 4.
+    return {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4,
+            "beta_fast": 32.0, "beta_slow": 1.0, **YARN_CASES[case]}
+
+
+@pytest.mark.usefixtures("single_process")
+@pytest.mark.parametrize("case", sorted(YARN_CASES))
+def test_yarn_import_matches_transformers(case: str, tmp_path: Path) -> None:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    assert WORKER.SEQ > 4
+    hf_dir = WORKER.tiny_hf_checkpoint(tmp_path / "hf", rope_scaling=_yarn(case),
+                                       max_position_embeddings=16)
+    base = json.loads((hf_dir / "config.json").read_text())
+    with torch.no_grad():
+        want = DeepseekV3ForCausalLM.from_pretrained(hf_dir).eval()(WORKER.tokens()).logits
+    moe_logging.destroy_moe_metrics_tracker()
+    arch, chunks = import_hf(hf_dir, ParallelLayout())
+    assert arch.rope_scaling == "yarn" and arch.yarn_factor == 4.0
+    got = WORKER.megatron_logits(chunks[0], WORKER.tokens())
+    diff = (got - want).abs().max().item()
+    print(f"yarn {case}: max |megatron - transformers| logit {diff:.2e}")
+    assert diff < LOGIT_TOLERANCE
+
+    # The config round-trips, and transformers reads the written one as the original.
+    config = hf_config_from_arch(arch, base)
+    assert arch_from_hf_config(json.loads(json.dumps(config)), name=arch.name) == arch
+    written = DeepseekV3Config(**config).rope_parameters
+    original = DeepseekV3Config(**base).rope_parameters
+    keys = ("rope_type", "rope_theta", "factor", "original_max_position_embeddings",
+            "beta_fast", "beta_slow")
+    assert {k: written[k] for k in keys} == {k: original[k] for k in keys}
+    for key in ("mscale", "mscale_all_dim"):
+        assert float(written.get(key) or 0) == float(original.get(key) or 0)
+
+
+@pytest.mark.parametrize(
+    ("rope", "match"),
+    [
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, r"rope_scaling\.rope_type"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+         r"rope_parameters\.rope_type"),
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0, "attention_factor": 0.5}},
+         r"rope_scaling\.attention_factor"),
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0, "truncate": False}},
+         r"rope_scaling\.truncate"),
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0, "low_freq_factor": 1.0}},
+         r"rope_scaling\.low_freq_factor"),
+    ],
+)
+def test_unsupported_rope_scaling_is_refused(rope: dict[str, object], match: str) -> None:
+    config = hf_config_from_arch(DEEPSEEK_V3)
+    for key in ("rope_parameters", "rope_scaling"):
+        config.pop(key)
+    config.update(rope)
+    with pytest.raises(ArchError, match=match):
+        arch_from_hf_config(config)
+
+
+def test_invalid_yarn_names_field() -> None:
+    with pytest.raises(ArchError, match=r"model\.yarn_factor"):
+        DEEPSEEK_V3.replace(yarn_factor=0.5)
+    with pytest.raises(ArchError, match=r"model\.rope_scaling"):
+        DEEPSEEK_V3.replace(attention="gqa")

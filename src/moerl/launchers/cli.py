@@ -2,6 +2,7 @@
 
     moerl demo                               the default post-training demo (tiny MoE, CPU)
     moerl train experiment=demo rl.steps=60  an RL run (stages as local processes or SLURM)
+    moerl nemo +experiment=demo launcher=slurm  the run as nemo-run would submit it (dry run)
     moerl model-info model=kimi-k2 [--json]  parameters and training FLOPs per token
     moerl plan model=kimi-k2 cluster.nodes=128 [--json]
     moerl train-lm parallel.tp=2 ...         a language-model training run (torchrun-aware)
@@ -83,6 +84,12 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     return run_train(overrides, dry_run=args.dry_run)
 
 
+def _nemo(args: argparse.Namespace, overrides: list[str]) -> int:
+    from moerl.launchers.nemo import nemo_main
+
+    return nemo_main(overrides)
+
+
 def _trainer(args: argparse.Namespace, overrides: list[str]) -> int:
     from moerl.launchers.train import run_trainer
 
@@ -128,6 +135,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true",
                        help="with launcher.kind=slurm: print the sbatch script, submit nothing")
     train.set_defaults(handler=_train)
+    nemo = sub.add_parser("nemo", help="print the run as nemo-run would submit it (dry run)")
+    nemo.set_defaults(handler=_nemo)
     trainer = sub.add_parser("trainer", help="the trainer stage of a run (started by train)")
     trainer.set_defaults(handler=_trainer)
     info = sub.add_parser("model-info", help="parameter counts and training FLOPs")

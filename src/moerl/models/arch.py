@@ -14,6 +14,7 @@ from typing import Literal
 
 AttentionKind = Literal["mla", "gqa"]
 RouterScore = Literal["sigmoid", "softmax"]
+RopeScaling = Literal["none", "yarn"]
 
 
 class ArchError(ValueError):
@@ -41,10 +42,22 @@ class MoEArch:
     num_query_groups: int | None = None  # GQA only
     kv_channels: int | None = None  # GQA only; defaults to hidden_size / heads
     rotary_base: float = 10000.0
+    # RoPE scaling (MLA only). "yarn": YaRN context extension with the parameters of the
+    # checkpoint's `rope_scaling` (DeepSeek-V3, Kimi-K2); the yarn_* fields mean what
+    # the same keys of that dict mean, and are unused with "none" (plain RoPE).
+    rope_scaling: RopeScaling = "none"
+    yarn_factor: float = 1.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
     latent_norms: bool = False
     """MLA's RMSNorms on the q and kv latents (DeepSeek-V3 family checkpoints have them;
-    the published presets and Hugging Face imports set this). Off in `tiny`: with them
-    on, one Adam step under EP2 / TP2 does not yet reproduce the single-process weights."""
+    the published presets and Hugging Face imports set this). Off in `tiny`, whose
+    parity tests compare weights after an Adam step exactly: with the norms (and MTP)
+    more gradient entries are ~1e-8, where Adam's first step (about lr * sign(g))
+    turns fp32 summation order into +-lr; the gradients themselves agree to 5e-8."""
 
     # Feed-forward. Layers [0, first_k_dense) are dense SwiGLU, the rest MoE.
     ffn_hidden_size: int = 18432  # dense layers
@@ -118,6 +131,20 @@ class MoEArch:
                 need(self.hidden_size % self.num_attention_heads == 0, "kv_channels",
                      "set it, or make hidden_size divisible by num_attention_heads")
         need(self.mtp_num_layers >= 0, "mtp_num_layers", "must be >= 0")
+        need(self.rope_scaling in ("none", "yarn"), "rope_scaling",
+             f"unknown value {self.rope_scaling!r}; choose 'none' (plain RoPE) or 'yarn'")
+        if self.rope_scaling == "yarn":
+            need(self.attention == "mla", "rope_scaling",
+                 "'yarn' is implemented for MLA only; set attention=mla or rope_scaling=none")
+            need(self.yarn_factor >= 1.0, "yarn_factor",
+                 f"must be >= 1 (got {self.yarn_factor}); 1 is plain RoPE")
+            need(self.yarn_original_max_position_embeddings > 0,
+                 "yarn_original_max_position_embeddings",
+                 "must be positive: the context length before extension")
+            for name in ("yarn_beta_fast", "yarn_beta_slow"):
+                need(getattr(self, name) > 0, name, "must be positive")
+            for name in ("yarn_mscale", "yarn_mscale_all_dim"):
+                need(getattr(self, name) >= 0, name, "must be >= 0")
 
     def replace(self, **changes: object) -> MoEArch:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
@@ -151,7 +178,9 @@ TINY = MoEArch(
     mtp_num_layers=1,
 )
 
-# Moonlight-16B-A3B (Moonshot AI): DeepSeek-V3 architecture, no q-LoRA.
+# Moonlight-16B-A3B (Moonshot AI): DeepSeek-V3 architecture, no q-LoRA. Plain RoPE: its
+# config.json has no RoPE scaling (Megatron-Bridge's MoonlightModelProvider16B sets
+# rotary_scaling_factor 1, the same function).
 MOONLIGHT_16B_A3B = MoEArch(
     name="moonlight-16b-a3b",
     latent_norms=True,
@@ -192,6 +221,16 @@ DEEPSEEK_V3 = MoEArch(
     router_group_topk=4,
     router_topk_scaling_factor=2.5,
     mtp_num_layers=1,
+    # config.json of deepseek-ai/DeepSeek-V3: rope_scaling = {"type": "yarn", "factor": 40,
+    # "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+    # "mscale": 1.0, "mscale_all_dim": 1.0}, rope_theta 10000.
+    rope_scaling="yarn",
+    yarn_factor=40.0,
+    yarn_original_max_position_embeddings=4096,
+    yarn_beta_fast=32.0,
+    yarn_beta_slow=1.0,
+    yarn_mscale=1.0,
+    yarn_mscale_all_dim=1.0,
 )
 
 KIMI_K2 = MoEArch(
@@ -214,6 +253,18 @@ KIMI_K2 = MoEArch(
     router_topk_scaling_factor=2.827,
     rotary_base=50000.0,
     mtp_num_layers=0,
+    # config.json of moonshotai/Kimi-K2-Instruct: rope_scaling = {"type": "yarn", "factor": 32.0,
+    # "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0,
+    # "mscale": 1.0, "mscale_all_dim": 1.0}, rope_theta 50000 (Megatron-Bridge's
+    # KimiK2Provider carries the same numbers). The 0905 and Thinking releases use factor 64
+    # with max_position_embeddings 262144; import those from their config.json.
+    rope_scaling="yarn",
+    yarn_factor=32.0,
+    yarn_original_max_position_embeddings=4096,
+    yarn_beta_fast=1.0,
+    yarn_beta_slow=1.0,
+    yarn_mscale=1.0,
+    yarn_mscale_all_dim=1.0,
 )
 
 PRESETS: dict[str, MoEArch] = {

@@ -9,6 +9,7 @@ groups must already exist (`parallel.groups.init_parallel`).
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import Any, Literal
 
 import torch
@@ -107,7 +108,8 @@ def build_transformer_config(
         bias_dropout_fusion=cuda,
         masked_softmax_fusion=cuda,
         persist_layer_norm=te,
-        apply_rope_fusion=te,
+        # Megatron's fused MLA RoPE is YaRN-only, training-only and experimental.
+        apply_rope_fusion=te and arch.attention != "mla",
         bias_activation_fusion=cuda,
         gradient_accumulation_fusion=te,
         moe_permute_fusion=te,
@@ -131,13 +133,53 @@ def build_transformer_config(
             qk_head_dim=arch.qk_head_dim,
             qk_pos_emb_head_dim=arch.qk_pos_emb_head_dim,
             v_head_dim=arch.v_head_dim,
-            rope_type="rope",  # plain RoPE; YaRN is a context-extension choice
             rotary_base=arch.rotary_base,
+            **_rope_kwargs(arch),
         )
     return TransformerConfig(
         **kwargs,
         num_query_groups=arch.num_query_groups,
         kv_channels=arch.kv_channels,
+    )
+
+
+def _yarn_get_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _rope_kwargs(arch: MoEArch) -> dict[str, Any]:
+    """MLA's RoPE: plain, or YaRN with the checkpoint's `rope_scaling` (see `MoEArch`).
+
+    The YaRN mscales. DeepSeek-V3 (and transformers' `DeepseekV3Attention`) apply two
+    factors, with m(s) = 0.1 * s * ln(factor) + 1 (1 when factor <= 1):
+    - the softmax scale is multiplied by m(mscale_all_dim)^2 (by 1 when mscale_all_dim
+      is 0); Megatron's MLA multiplies it by m(mscale_all_dim)^2 too, the same number;
+    - cos and sin are multiplied by an "attention factor": transformers' YaRN uses
+      m(mscale) / m(mscale_all_dim) when both are non-zero, else m(1) = 0.1 ln(factor) + 1.
+      Megatron always uses m(mscale') / m(mscale_all_dim) for the mscale' it is given.
+    So Megatron gets the checkpoint's mscale_all_dim, and an mscale' with
+    m(mscale') = attention factor * m(mscale_all_dim): the checkpoint's own mscale when
+    both are non-zero (DeepSeek-V3, Kimi-K2: 1.0 and 1.0), 1 when mscale_all_dim is 0,
+    and otherwise solved for.
+    """
+    if arch.rope_scaling != "yarn":
+        # Megatron scales the softmax by m(mscale_all_dim)^2 whatever the rope type;
+        # mscale_all_dim 0 makes that 1.
+        return dict(rope_type="rope", mscale_all_dim=0.0)
+    factor, mscale, all_dim = arch.yarn_factor, arch.yarn_mscale, arch.yarn_mscale_all_dim
+    megatron_mscale = mscale  # both non-zero, or factor <= 1 (every m is 1)
+    if not (mscale and all_dim) and factor > 1:
+        # m(mscale') = m(1) * m(mscale_all_dim)
+        target = _yarn_get_mscale(factor, 1.0) * _yarn_get_mscale(factor, all_dim)
+        megatron_mscale = (target - 1.0) / (0.1 * math.log(factor))
+    return dict(
+        rope_type="yarn",
+        rotary_scaling_factor=factor,
+        original_max_position_embeddings=arch.yarn_original_max_position_embeddings,
+        beta_fast=arch.yarn_beta_fast,
+        beta_slow=arch.yarn_beta_slow,
+        mscale=megatron_mscale,
+        mscale_all_dim=all_dim,
     )
 
 

@@ -21,7 +21,6 @@ import json
 import os
 import re
 import sys
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,6 @@ from moerl.models.hf_mapping import (
     arch_from_hf_config,
     hf_config_from_arch,
     megatron_to_hf,
-    rope_scaling_of,
     rules,
     to_megatron,
 )
@@ -187,9 +185,6 @@ def import_hf(hf_dir: str | Path, layout: ParallelLayout, **build: Any) -> tuple
     if arch.mtp_num_layers and f"model.layers.{arch.num_layers}.eh_proj.weight" not in present:
         # transformers drops MTP layers when it saves; the main model is complete.
         arch = arch.replace(mtp_num_layers=0)
-    if rope_scaling_of(ckpt.config) is not None:
-        warnings.warn(f"{hf_dir}: RoPE scaling {rope_scaling_of(ckpt.config)} is not modelled "
-                      "by MoEArch; the Megatron model uses plain RoPE", stacklevel=2)
     chunks: list[torch.nn.Module] = list(build_model(arch, layout, qk_layernorm=True, **build))
     load_hf_into(chunks, arch, ckpt)
     return arch, chunks
@@ -243,7 +238,7 @@ def export_hf(chunks: list[torch.nn.Module], arch: MoEArch, out_dir: str | Path,
     """Write the model as an HF checkpoint (rank 0 writes; every rank must call this).
 
     `base_config`: the imported checkpoint's config.json, whose fields the arch does
-    not describe (token ids, RoPE scaling, rope_interleave) are kept. `dtype`: of
+    not describe (token ids, rope_interleave) are kept. `dtype`: of
     the written weights (default: the model's); the router bias stays float32.
     """
     meg = gather_megatron(chunks, arch)

@@ -63,16 +63,79 @@ def _get(config: Mapping[str, Any] | Any, key: str, default: Any = None) -> Any:
     return getattr(config, key, default)
 
 
-def _rope_theta(config: Mapping[str, Any] | Any) -> float:
-    params = _get(config, "rope_parameters") or {}
-    return float(params.get("rope_theta", _get(config, "rope_theta", 10000.0)))
+def rope_parameters_of(config: Mapping[str, Any] | Any) -> dict[str, Any]:
+    """The checkpoint's RoPE parameters as transformers reads them: the legacy
+    `rope_scaling` dict when it is set, else `rope_parameters` (transformers 5), with
+    `rope_theta` from that dict or else from the top level."""
+    params = dict(_get(config, "rope_scaling") or _get(config, "rope_parameters") or {})
+    params.setdefault("rope_theta", _get(config, "rope_theta") or 10000.0)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
 
 
-def rope_scaling_of(config: Mapping[str, Any] | Any) -> dict[str, Any] | None:
-    """The checkpoint's RoPE scaling (YaRN for DeepSeek-V3 / Kimi-K2), or None for plain RoPE."""
-    params = dict(_get(config, "rope_parameters") or _get(config, "rope_scaling") or {})
-    kind = params.get("rope_type", params.get("type", "default"))
-    return None if kind in (None, "default") else params
+# Keys of a YaRN `rope_scaling` / `rope_parameters` dict that `MoEArch` models; the
+# others are refused unless they hold the value that changes nothing.
+_YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
+              "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}
+_NEUTRAL = {"truncate": (True,), "attention_factor": (None,), "partial_rotary_factor": (None, 1)}
+
+
+def _rope_fields(config: Mapping[str, Any] | Any, max_positions: int) -> dict[str, Any]:
+    """MoEArch's rope fields for the checkpoint's RoPE; an error names what is unsupported."""
+    params = rope_parameters_of(config)
+    kind = params["rope_type"]
+    key = "rope_scaling" if _get(config, "rope_scaling") else "rope_parameters"
+    if params.get("partial_rotary_factor") not in _NEUTRAL["partial_rotary_factor"]:
+        raise ArchError(f"hf: {key}.partial_rotary_factor="
+                        f"{params['partial_rotary_factor']} is not supported (must be 1)")
+    fields: dict[str, Any] = {"rotary_base": float(params["rope_theta"])}
+    if kind in (None, "default"):
+        return fields
+    if kind != "yarn":
+        raise ArchError(f"hf: {key}.rope_type={kind!r} is not supported; the model implements "
+                        "plain RoPE ('default') and 'yarn'")
+    for name, value in params.items():
+        if name in _YARN_KEYS:
+            continue
+        if name not in _NEUTRAL:
+            raise ArchError(f"hf: {key}.{name} is not supported for YaRN (known keys: "
+                            f"{', '.join(sorted(_YARN_KEYS | set(_NEUTRAL)))})")
+        if value not in _NEUTRAL[name]:
+            raise ArchError(f"hf: {key}.{name}={value!r} is not supported; Megatron's YaRN "
+                            f"computes it as {name}={_NEUTRAL[name][0]!r}")
+    original = int(params.get("original_max_position_embeddings") or max_positions)
+    factor = params.get("factor")
+    # transformers: a missing factor is max_position_embeddings / original; a missing
+    # (or 0) beta_fast / beta_slow is 32 / 1; missing mscales count as 0 (unused).
+    fields.update(
+        rope_scaling="yarn",
+        yarn_factor=float(factor if factor is not None else max_positions / original),
+        yarn_original_max_position_embeddings=original,
+        yarn_beta_fast=float(params.get("beta_fast") or 32.0),
+        yarn_beta_slow=float(params.get("beta_slow") or 1.0),
+        yarn_mscale=float(params.get("mscale") or 0.0),
+        yarn_mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+    )
+    return fields
+
+
+def _hf_rope(arch: MoEArch) -> dict[str, Any]:
+    """config.json's RoPE keys for `arch`: `rope_parameters` (transformers 5) and the
+    legacy `rope_theta` + `rope_scaling` (transformers 4, DeepSeek's own code), which agree."""
+    if arch.rope_scaling != "yarn":
+        return {"rope_theta": arch.rotary_base, "rope_scaling": None,
+                "rope_parameters": {"rope_type": "default", "rope_theta": arch.rotary_base}}
+    yarn = {
+        "factor": arch.yarn_factor,
+        "original_max_position_embeddings": arch.yarn_original_max_position_embeddings,
+        "beta_fast": arch.yarn_beta_fast,
+        "beta_slow": arch.yarn_beta_slow,
+        "mscale": arch.yarn_mscale,
+        "mscale_all_dim": arch.yarn_mscale_all_dim,
+    }
+    return {"rope_theta": arch.rotary_base,
+            "rope_scaling": {"type": "yarn", "rope_type": "yarn", **yarn},
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": arch.rotary_base, **yarn}}
 
 
 def arch_from_hf_config(config: Mapping[str, Any] | Any, name: str | None = None) -> MoEArch:
@@ -97,13 +160,14 @@ def arch_from_hf_config(config: Mapping[str, Any] | Any, name: str | None = None
         raise ArchError("hf: attention_bias=true is not supported (the model has no biases)")
     layers = int(_get(config, "num_hidden_layers"))
     q_lora = _get(config, "q_lora_rank")
+    max_positions = int(_get(config, "max_position_embeddings", 4096))
     return MoEArch(
         name=name or str(_get(config, "model_type", "hf")),
         num_layers=layers,
         hidden_size=int(_get(config, "hidden_size")),
         num_attention_heads=int(_get(config, "num_attention_heads")),
         vocab_size=int(_get(config, "vocab_size")),
-        max_position_embeddings=int(_get(config, "max_position_embeddings", 4096)),
+        max_position_embeddings=max_positions,
         attention="mla",
         latent_norms=True,
         q_lora_rank=None if q_lora is None else int(q_lora),
@@ -111,7 +175,7 @@ def arch_from_hf_config(config: Mapping[str, Any] | Any, name: str | None = None
         qk_head_dim=int(_get(config, "qk_nope_head_dim")),
         qk_pos_emb_head_dim=int(_get(config, "qk_rope_head_dim")),
         v_head_dim=int(_get(config, "v_head_dim")),
-        rotary_base=_rope_theta(config),
+        **_rope_fields(config, max_positions),
         ffn_hidden_size=int(_get(config, "intermediate_size")),
         first_k_dense=min(int(_get(config, "first_k_dense_replace", 0)), layers),
         num_experts=int(_get(config, "n_routed_experts")),
@@ -131,7 +195,8 @@ def arch_from_hf_config(config: Mapping[str, Any] | Any, name: str | None = None
 
 def hf_config_from_arch(arch: MoEArch, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A `config.json` dict for `arch`. Fields of `base` the arch does not describe
-    (token ids, YaRN scaling, dtype, rope_interleave) are kept as they are."""
+    (token ids, dtype, rope_interleave) are kept as they are; RoPE (YaRN included)
+    comes from the arch."""
     if arch.attention != "mla":
         raise ArchError("hf: only MLA (DeepSeek-V3 family) architectures can be exported")
     config: dict[str, Any] = {
@@ -141,11 +206,9 @@ def hf_config_from_arch(arch: MoEArch, base: Mapping[str, Any] | None = None) ->
         "hidden_act": "silu",
         "attention_bias": False,
         "norm_topk_prob": True,
-        "rope_parameters": {"rope_type": "default", "rope_theta": arch.rotary_base},
     }
     config.update(base or {})
-    if rope_scaling_of(config) is None:
-        config["rope_parameters"] = {"rope_type": "default", "rope_theta": arch.rotary_base}
+    config.update(_hf_rope(arch))
     config.update(
         num_hidden_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
