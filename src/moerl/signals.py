@@ -22,6 +22,27 @@ import torch.distributed as dist
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+def start_helpers_ignoring(signals: tuple[signal.Signals, ...]) -> None:
+    """Start the process-wide helper of megatron-core's checkpoint writer (the
+    multiprocessing Manager behind its results queue) with `signals` ignored.
+
+    SLURM delivers a job step's signal to every process of the step (proctrack/cgroup),
+    helpers included; a helper that dies of SIGUSR1 breaks the very checkpoint the
+    signal asks for (BrokenPipeError on the next save). An ignored disposition is
+    inherited by the helper and survives its exec; ours is restored afterwards.
+    """
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        get_write_results_queue,
+    )
+
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
+    try:
+        get_write_results_queue()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 class StopOnSignal:
     """Context manager: while inside, the stop signals set a flag instead of killing."""
 
@@ -31,6 +52,8 @@ class StopOnSignal:
         self._previous: dict[signal.Signals, Any] = {}
 
     def __enter__(self) -> StopOnSignal:
+        if self.signals:
+            start_helpers_ignoring(self.signals)
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self

@@ -26,6 +26,9 @@ from typing import Any
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_rl_data import comment_tasks
+
 from moerl.launchers.stages import REQUEUE_EXIT_CODE
 
 STEPS = 4
@@ -41,18 +44,7 @@ pytestmark = pytest.mark.timeout(900)
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    root = tmp_path_factory.mktemp("data")
-    rows = []
-    for i in range(12):
-        prompt = f"def f():\n    return {i}  # "
-        test = f"def check(candidate):\n    assert candidate() == {i}\n"
-        rows.append({"id": f"t{i}", "prompt": prompt, "reward": "humaneval", "reference": "ok",
-                     "spec": {"prompt": prompt, "test": test, "entry_point": "f"}})
-    lines = [json.dumps(r) + "\n" for r in rows]
-    (root / "train.jsonl").write_text("".join(lines))
-    (root / "eval.jsonl").write_text("".join(lines[:2]))
-    return ["data.source=jsonl", f"data.path={root / 'train.jsonl'}",
-            f"data.eval_path={root / 'eval.jsonl'}"]
+    return comment_tasks(tmp_path_factory.mktemp("data"))
 
 
 def _argv(stage: str, run: Path, *extra: str) -> list[str]:

@@ -2,20 +2,32 @@
 
 `moerl train launcher=slurm` renders and submits the real script; the trainer,
 rollout server and reward server run as three job steps on the fake nodes, find
-each other through the rendezvous directory, and the run completes.
+each other through the rendezvous directory, and the run completes. Sent USR1 the
+way `--signal=B:USR1@T` does before the time limit, a real RL run checkpoints,
+the job requeues itself, and the next attempt resumes from that checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
+from tiny_rl_data import comment_tasks
+
+from moerl.checkpointing.store import complete_checkpoints, read_latest, step_name, step_of
+from moerl.launchers.stages import REQUEUE_EXIT_CODE
 
 if TYPE_CHECKING:
     from conftest import SlurmCluster
@@ -96,3 +108,172 @@ def test_tiny_demo_completes_as_het_job(slurm_cluster: SlurmCluster, tmp_path: P
     assert sorted(p.name for p in (run / "rendezvous" / str(job_id)).iterdir()) == [
         "reward", "rollout"
     ]
+
+
+# A real RL run whose every step trains quickly (as in tests/integration/test_rl_resume.py):
+# twelve one-line tasks, short samples, a 2-step SFT warm-up, checkpoints only at
+# the end and on a stop signal.
+RESUME_STEPS = 4
+RESUME_RUN = [
+    f"rl.steps={RESUME_STEPS}", "sft.steps=2", "sft.global_batch=8", "sft.micro_batch=4",
+    "rl.prompts_per_step=2", "rl.group_size=4", "rl.sampling.max_tokens=48",
+    "rl.eval_interval=0", "logger.wandb_mode=disabled", "logger.plot=false",
+    "checkpoint.save_interval=0", "checkpoint.keep_last=0",
+]  # fmt: skip
+
+
+def _tail(path: Path | None, chars: int = 3000) -> str:
+    if path is None or not path.is_file():
+        return f"<no {path}>"
+    return f"--- {path.name}:\n{path.read_text(errors='replace')[-chars:]}"
+
+
+def _metric_rows(run: Path) -> list[dict[str, Any]]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written right now
+            break
+    return rows
+
+
+def _trained_steps(run: Path) -> list[int]:
+    return [int(r["step"]) for r in _metric_rows(run) if "train/loss" in r]
+
+
+class _RunWatch:
+    """The submitted `moerl train launcher=slurm` and where its job writes."""
+
+    def __init__(self, run: Path, proc: subprocess.Popen[bytes], out: Path) -> None:
+        self.run, self.proc, self.out = run, proc, out
+        self.job: int | None = None
+
+    def batch_log(self) -> Path | None:
+        found = sorted((self.run / "logs").glob("slurm-*.out"))
+        return found[0] if found else None
+
+    def trainer_log(self) -> Path | None:
+        found = sorted((self.run / "logs").glob("trainer-*.log"))
+        return found[0] if found else None
+
+    def diagnostics(self, cluster: SlurmCluster) -> str:
+        state = cluster.run("scontrol", "show", "job", str(self.job), check=False).stdout
+        return "\n".join([
+            f"job {self.job}: {state[:2000]}", _tail(self.out, 2000), _tail(self.batch_log()),
+            _tail(self.trainer_log(), 4000),
+        ])  # fmt: skip
+
+    def until(self, cond: Callable[[], bool], timeout: float, what: str,
+              cluster: SlurmCluster) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {what} after {timeout:.0f} s\n{self.diagnostics(cluster)}")
+            time.sleep(0.5)
+
+
+@pytest.mark.timeout(1500)
+def test_usr1_checkpoints_requeues_and_resumes(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """USR1 to the batch shell (what `--signal=B:USR1@T` sends before the time limit)
+    during a real RL run: the trainer finishes its step, writes a complete
+    checkpoint, exits for requeue; the job requeues itself (Restarts=1), and the
+    next attempt resumes from that checkpoint and completes the run."""
+    run = tmp_path / "run"
+    run.mkdir()
+    out = tmp_path / "moerl-train.out"
+    argv = [sys.executable, "-m", "moerl.launchers.cli", "train", "+experiment=demo",
+            *_cluster_overrides(), *RESUME_RUN, *comment_tasks(tmp_path / "data"),
+            f"run_dir={run}"]  # fmt: skip
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    watch = _RunWatch(run, proc, out)
+    started = time.monotonic()
+    try:
+        _signal_requeue_resume(watch, slurm_cluster)
+    finally:
+        if watch.job is not None:
+            slurm_cluster.run("scancel", str(watch.job), check=False)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        print(f"\nUSR1 -> requeue -> resume under SLURM: {time.monotonic() - started:.0f} s")
+
+
+def _signal_requeue_resume(watch: _RunWatch, cluster: SlurmCluster) -> None:
+    run, ckpts = watch.run, watch.run / "checkpoints"
+
+    def job_started() -> bool:
+        log = watch.batch_log()
+        if log is not None:
+            watch.job = int(log.stem.split("-", 1)[1])
+        elif watch.proc.poll() is not None:
+            pytest.fail(f"moerl train ended ({watch.proc.returncode}) before the job ran\n"
+                        f"{_tail(watch.out)}")
+        return watch.job is not None
+
+    watch.until(job_started, 120, "batch log (job not started)", cluster)
+    assert watch.job is not None
+    job = watch.job
+    # At least one RL step done, and none saved yet (checkpoints only at the end
+    # or on a signal), so the checkpoint found below is the signal's.
+    watch.until(lambda: bool(_trained_steps(run)), 600, "RL step finished", cluster)
+    assert not complete_checkpoints(ckpts), "a checkpoint before any signal was sent"
+    cluster.run("scancel", "--batch", "--signal=USR1", str(job))
+
+    watch.until(lambda: cluster.job_field(job, "Restarts") == "1", 300, "requeue", cluster)
+    saved = read_latest(ckpts)
+    complete = complete_checkpoints(ckpts)
+    diag = watch.diagnostics(cluster)
+    assert saved is not None and complete == [saved], f"{complete}, latest {saved}\n{diag}"
+    step = step_of(saved)
+    assert step is not None and 1 <= step <= RESUME_STEPS, diag
+    assert _trained_steps(run) == list(range(step)), diag  # the step in progress finished
+    state = json.loads((saved / "state.json").read_text())
+    assert state["extra"]["rl"]["next_step"] == step, diag
+    trainer = watch.trainer_log()
+    assert trainer is not None, diag
+    text = trainer.read_text(errors="replace")
+    assert "stopping after this step: SIGUSR1" in text, diag
+    batch = watch.batch_log()
+    assert batch is not None, diag
+    text = batch.read_text(errors="replace")
+    assert "moerl: USR1 (time limit near)" in text, diag
+    assert f"moerl: requeueing job {job}" in text, diag
+    assert cluster.job_field(job, "JobState") not in {"COMPLETED", "FAILED", "CANCELLED"}, diag
+    assert step < RESUME_STEPS, f"the signal came after the last step; nothing to resume\n{diag}"
+
+    # A requeued job waits ~120 s before it may start again; let it start now.
+    cluster.run("scontrol", "update", f"jobid={job}", "starttime=now")
+    finished = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+    watch.until(lambda: cluster.job_field(job, "JobState") in finished, 600, "job end", cluster)
+    diag = watch.diagnostics(cluster)
+    assert cluster.job_field(job, "JobState") == "COMPLETED", diag
+    assert cluster.job_field(job, "Restarts") == "1", diag
+    try:
+        code = watch.proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"moerl train still waiting after the job completed\n{diag}")
+    assert code == 0, diag
+
+    # --open-mode=append: both attempts in one log; torchrun reports the rank's 85 as 1
+    codes = re.findall(r"moerl: trainer exit code (\d+)", batch.read_text(errors="replace"))
+    assert len(codes) == 2 and codes[0] in {str(REQUEUE_EXIT_CODE), "1"}, f"{codes}\n{diag}"
+    assert codes[1] == "0", f"{codes}\n{diag}"
+    text = trainer.read_text(errors="replace")
+    assert f"resumed from {saved} at step {step}" in text, diag
+    assert text.count("SFT: loss") == 1, diag  # the checkpoint holds the policy after SFT
+    # Each step logged once, in order: the resumed attempt went on from the saved step.
+    assert _trained_steps(run) == list(range(RESUME_STEPS)), diag
+    assert read_latest(ckpts) == ckpts / step_name(RESUME_STEPS), diag

@@ -169,3 +169,59 @@ def test_config_checks() -> None:
     with pytest.raises(ValueError, match="keep_last"):
         CheckpointConfig(dir="x", keep_last=-1)
     assert not CheckpointConfig().enabled
+
+
+def test_checkpoint_writer_helper_ignores_the_stop_signals() -> None:
+    """SLURM signals every process of a step: megatron-core's checkpoint-writer helper
+    must survive SIGUSR1/SIGTERM, or the checkpoint the signal asks for breaks."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = None  # a helper of this test's own
+    children_before = _children()
+    with StopOnSignal():
+        helpers = _children() - children_before
+        assert helpers, "no helper process was started"
+        for pid in helpers:
+            ignored = int(_status(pid)["SigIgn"], 16)
+            for sig in (signal.SIGUSR1, signal.SIGTERM):
+                assert ignored & (1 << (sig - 1)), (pid, sig)
+        os.kill(os.getpid(), signal.SIGUSR1)  # ours still records it
+    assert filesystem_async.get_write_results_queue() is not None
+
+
+def _children() -> set[int]:
+    me = os.getpid()
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int(_status(int(entry.name))["PPid"]) == me:
+                    found.add(int(entry.name))
+            except (OSError, KeyError):
+                pass
+    return found
+
+
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+
+def test_materialized_adam_state_is_the_state_a_first_step_starts_from() -> None:
+    """A save before any optimizer step creates Adam's state (lr=0, zero gradients);
+    the next real step must then equal a fresh optimizer's first step exactly."""
+    from types import SimpleNamespace
+
+    from moerl.checkpointing.sharded import _materialize_adam_state
+
+    torch.manual_seed(0)
+    start, grad = torch.randn(5, 3), torch.randn(5, 3)
+    params = [torch.nn.Parameter(start.clone()) for _ in range(2)]
+    fresh, saved = (torch.optim.AdamW([p], lr=0.1, weight_decay=0.1) for p in params)
+    _materialize_adam_state(SimpleNamespace(optimizer=saved))
+    assert torch.equal(params[1].detach(), start) and len(saved.state[params[1]]) > 0
+    for p, opt in zip(params, (fresh, saved), strict=True):
+        p.grad = grad.clone()
+        opt.step()
+    assert torch.equal(params[0].detach(), params[1].detach())
+    assert float(fresh.state[params[0]]["step"]) == float(saved.state[params[1]]["step"]) == 1

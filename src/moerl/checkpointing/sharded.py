@@ -65,13 +65,16 @@ def check_optimizer_compatible(saved: dict[str, Any], now: dict[str, Any]) -> No
 
 
 def _materialize_adam_state(optimizer: Any) -> None:
-    """Give every parameter its Adam state before a load.
+    """Give every parameter its Adam state before a load or a save.
 
     torch's Adam creates `exp_avg`, `exp_avg_sq` and `step` lazily on its first
-    step, and Megatron builds the load template from the state that exists: a
-    fresh optimizer would load nothing. One step with zero gradients at lr=0
-    creates it without moving any parameter (the decoupled weight decay is
-    scaled by lr too); the loaded values then overwrite it.
+    step, and Megatron builds the sharded state from the state that exists: a
+    fresh optimizer would load nothing, and a save before the first step (a run
+    whose steps have had nothing to train yet) would fail. One step with zero
+    gradients at lr=0 creates it without moving any parameter (the decoupled
+    weight decay is scaled by lr too); the moments it leaves are zero, and `step`
+    is set back to 0, which is exactly the state Adam's first real step starts
+    from. A load then overwrites it.
     """
     for part in _parts(optimizer):
         inner = part.optimizer
@@ -88,6 +91,11 @@ def _materialize_adam_state(optimizer: Any) -> None:
             group["lr"] = lr
             for p in group["params"]:
                 p.grad = None
+                step = inner.state[p].get("step")
+                if isinstance(step, torch.Tensor):
+                    step.zero_()
+                elif step is not None:
+                    inner.state[p]["step"] = 0
 
 
 def _load_optimizer_part(part: Any, state: dict[str, Any], step: int) -> None:
@@ -146,8 +154,7 @@ def sharded_state(trainable: Trainable, *, with_optimizer: bool, loading: bool) 
     chunks: list[torch.nn.Module] = list(trainable.model)
     state = sharded_model_state(chunks)
     if with_optimizer:
-        if loading:
-            _materialize_adam_state(trainable.optimizer)
+        _materialize_adam_state(trainable.optimizer)  # no-op once Adam has stepped
         build = trainable.optimizer.sharded_state_dict
         if not torch.cuda.is_available():
             # The distributed optimizer gathers its state over data-parallel ranks

@@ -10,9 +10,10 @@ EXIT trap stops every step.
 Pre-time-limit checkpointing: `--signal=B:USR1@<s>` sends USR1 to the batch shell
 only; its trap forwards it to the trainer step, whose ranks checkpoint and exit
 with REQUEUE_EXIT_CODE; the shell then runs `scontrol requeue`. A signal sent to a
-step reaches only its tasks (measured on SLURM 22.05), here torchrun, not the
-ranks below it: torchrun is told to forward USR1 (--signals-to-handle) and to give
-the ranks until the time limit to finish their checkpoint before it kills them.
+step reaches its tasks (here torchrun) and, with proctrack/cgroup, every process of
+the step: torchrun is told to forward USR1 (--signals-to-handle) and to give the
+ranks until the time limit to finish their checkpoint before it kills them, and the
+ranks start their helper processes with the stop signals ignored (`moerl.signals`).
 Memory is asked for with --mem-per-cpu only: mixing it with --mem across
 components makes srun fail.
 """
