@@ -120,7 +120,9 @@ class Terminated(Exception):
 
 @contextmanager
 def _signals(usr1: Callable[[], None]) -> Iterator[None]:
-    """SIGTERM raises Terminated; SIGUSR1 calls `usr1` (main thread only)."""
+    """SIGTERM raises Terminated; SIGUSR1 calls `usr1`; SIGINT raises KeyboardInterrupt
+    even where it was inherited as ignored (a background job of a non-interactive
+    shell): a signal sent to the launcher always tears the run down. Main thread only."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -132,7 +134,8 @@ def _signals(usr1: Callable[[], None]) -> Iterator[None]:
         usr1()
 
     previous = {sig: signal.signal(sig, handler)
-                for sig, handler in ((signal.SIGTERM, terminate), (signal.SIGUSR1, stop))}
+                for sig, handler in ((signal.SIGTERM, terminate), (signal.SIGUSR1, stop),
+                                     (signal.SIGINT, signal.default_int_handler))}
     try:
         yield
     finally:
