@@ -25,26 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 CP_SIZES = (1, 2, 4)
-
-
-class SavedBytes:
-    """Sums the unique storages autograd saves (kept referenced until read, so a freed
-    address cannot be reused and hide a later tensor)."""
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude, self.seen = exclude, dict[int, torch.Tensor]()
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr not in self.exclude:
-            self.seen.setdefault(ptr, tensor)
-        return tensor
-
-    def total(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in self.seen.values())
 
 
 def measure(lengths: list[int]) -> dict[int, int]:
@@ -54,6 +35,7 @@ def measure(lengths: list[int]) -> dict[int, int]:
     from moerl.models.build import build_model
     from moerl.parallel.groups import destroy_parallel, init_parallel
     from moerl.parallel.layout import ParallelLayout
+    from moerl.parallel.saved_activations import counting_saved_activations
     from moerl.trainer.lm import batch_iterators
     from moerl.trainer.optimizer import OptimConfig, build_optimizer
     from moerl.trainer.step import train_step
@@ -63,18 +45,14 @@ def measure(lengths: list[int]) -> dict[int, int]:
     groups = init_parallel(layout, seed=0)
     arch = TINY.replace(mtp_num_layers=0, max_position_embeddings=max(lengths))
     trainable = build_optimizer(build_model(arch, layout), OptimConfig(), layout)
-    excluded = {p.untyped_storage().data_ptr() for c in trainable.model for p in c.parameters()}
-    excluded |= {b.grad_data.untyped_storage().data_ptr() for c in trainable.model
-                 for b in c.buffers + c.expert_parallel_buffers}
     out = {}
     for length in lengths:
-        saved = SavedBytes(excluded)
         corpus = SyntheticCorpus(arch.vocab_size, length, seed=1)
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        with counting_saved_activations(trainable) as saved:
             train_step(trainable.model, trainable.optimizer,  # type: ignore[arg-type]
                        batch_iterators(corpus, 0, groups, 1, 1), num_microbatches=1,
                        micro_batch_size=1, seq_length=length // cp)
-        out[length] = saved.total()
+        out[length] = saved.total
     destroy_parallel()
     return out
 

@@ -30,31 +30,10 @@ from moerl.models.arch import TINY
 from moerl.models.build import build_model
 from moerl.parallel.groups import destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
+from moerl.parallel.saved_activations import counting_saved_activations
 from moerl.trainer.lm import batch_iterators
 from moerl.trainer.optimizer import OptimConfig, build_optimizer
 from moerl.trainer.step import train_step
-
-
-class SavedBytes:
-    """Sums the unique storages autograd saves, skipping those in `exclude`.
-
-    Saved tensors are kept referenced until the count is read, so a freed
-    storage's address cannot be reused by a later tensor and hide it.
-    """
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude = exclude
-        self.seen: dict[int, torch.Tensor] = {}
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr not in self.exclude and ptr not in self.seen:
-            self.seen[ptr] = tensor
-        return tensor
-
-    @property
-    def total(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in self.seen.values())
 
 
 def _inner_optimizers(optimizer: Any) -> list[Any]:
@@ -93,13 +72,9 @@ def run(layout: ParallelLayout, bf16: bool, seq_length: int, micro_batch: int) -
     groups = init_parallel(layout, seed=1234)
     chunks = build_model(TINY, layout, bf16=bf16, qk_layernorm=True)
     trainable = build_optimizer(chunks, OptimConfig(), layout)
-    excluded = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
-    excluded |= {buf.grad_data.untyped_storage().data_ptr() for c in trainable.model
-                 for buf in c.buffers + c.expert_parallel_buffers}
-    saved = SavedBytes(excluded)
     corpus = SyntheticCorpus(TINY.vocab_size, seq_length, seed=7)
     batches = batch_iterators(corpus, 0, groups, micro_batch * layout.dp, micro_batch)
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+    with counting_saved_activations(trainable) as saved:
         metrics = train_step(
             trainable.model,
             trainable.optimizer,
