@@ -25,20 +25,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from local_servers import reward_command, rollout_command, started
 
+from moerl.launchers.local import free_port
 from moerl.rl.rewards.client import RewardClient, RewardClientConfig, ScoreItem
 from moerl.rl.rollout.client import ClientConfig, RolloutClient, RolloutUnavailable
 from moerl.rl.rollout.types import SamplingParams
 
 SEED = 5
 PROMPTS = [[256, *b"def f(x):"], [256, *b"print("], [256, *b"# sum"], [256, *b"x = ["]] * 3
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _tokens(groups: list[list[Any]]) -> list[list[list[int]]]:
@@ -53,7 +46,7 @@ def _when(condition: Callable[[], bool], then: Callable[[], None], limit: float 
 
 
 def test_rollout_call_survives_a_killed_server_and_a_restart_is_found(tmp_path: Path) -> None:
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     sampling = SamplingParams(max_tokens=24, temperature=1.0, seed=SEED, ignore_eos=True)
     config = ClientConfig(max_attempts=6, backoff_s=0.1, backoff_cap_s=0.5, timeout_s=120)

@@ -132,11 +132,12 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
         if state is not None:
             ctl.prompts.restore(state.prompts, strict=not cfg.checkpoint.allow_changed_data)
         ctl.logger.drop_from(start)  # rows a killed attempt logged after its checkpoint
-    if ctl is not None and cfg.rl.task_source == "agent":  # terminal episodes, not prompts
-        from moerl.rl.agent.collect import build_agent_collector
+        if cfg.rl.task_source == "agent":  # terminal episodes, not prompts
+            from moerl.rl.agent.collect import build_agent_collector
 
-        ctl.collector = build_agent_collector(cfg.rl, cfg.model.max_position_embeddings, tok)
-        ctl.held_out = []  # the held-out prompts are code tasks, not agent tasks
+            ctl.collector = build_agent_collector(cfg.rl, cfg.model.max_position_embeddings,
+                                                  tok)
+            ctl.held_out = []  # the held-out prompts are code tasks, not agent tasks
     if groups.rank == 0:  # versions an earlier attempt published are stale
         shutil.rmtree(dirs.weights, ignore_errors=True)
     barrier()

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.models.arch import MoEArch
+from moerl.models.weights import unwrap_model
 from moerl.rl.rollout.backends import check_engine
 from moerl.rl.rollout.client import RolloutClient
 
@@ -147,10 +148,7 @@ class HFExportWeightSync(_Announcer):
 
 def check_exportable(chunks: list[torch.nn.Module]) -> None:
     """Refuse models the Hugging Face DeepSeek-V3 layout cannot hold."""
-    inner: Any = chunks[0]
-    while hasattr(inner, "module"):
-        inner = inner.module
-    config = inner.config
+    config = unwrap_model(chunks[0]).config
     if getattr(config, "multi_latent_attention", False) and not config.qk_layernorm:
         raise ValueError(
             "rollout.engine: vllm/sglang serve Hugging Face DeepSeek-V3 weights, which have "
