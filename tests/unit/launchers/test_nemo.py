@@ -171,8 +171,13 @@ def test_rendered_sbatch_has_one_srun_per_stage(
 
 def test_local_experiment_runs_the_plan(tmp_path: Path) -> None:
     """The local executor path, run for real: a server announces, the trainer sees it."""
-    server = ("import os, sys; from moerl.launchers.stages import announce_from_env; "
-              "announce_from_env(os.environ['MOERL_HOST'], int(sys.argv[1]))")
+    # Servers stay up until the trainer is done, as real ones do: nemo-run stops the
+    # other jobs soon after the first one ends.
+    server = ("import os, sys, time; from moerl.launchers.stages import announce_from_env; "
+              "announce_from_env(os.environ['MOERL_HOST'], int(sys.argv[1])); "
+              "deadline = time.monotonic() + 120\n"
+              "while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline: "
+              "time.sleep(0.1)")
     trainer = ("import os, sys; from moerl.launchers.stages import read_endpoints; "
                "open(sys.argv[1], 'w').write(' '.join(read_endpoints("
                "os.environ['MOERL_RENDEZVOUS_DIR'], 'reward')) + os.environ['X'])")
@@ -180,7 +185,7 @@ def test_local_experiment_runs_the_plan(tmp_path: Path) -> None:
     plan = RunPlan(
         (StageSpec("trainer", (sys.executable, "-c", trainer, str(out)), torchrun=False,
                    env={"X": " ok"}),
-         StageSpec("reward", (sys.executable, "-c", server, "{port}"), replicas=2,
+         StageSpec("reward", (sys.executable, "-c", server, "{port}", str(out)), replicas=2,
                    port_base=9100)),
         tmp_path / "rdv", tmp_path / "logs")
     exp = nemo.experiment(plan, base_dir=str(tmp_path / "nemo"), startup_timeout=60)
