@@ -296,3 +296,23 @@ def test_failure_before_the_program_starts_is_a_sandbox_error(sandbox: Sandbox) 
     assert results[0].status is ExecutionStatus.SANDBOX_ERROR and results[0].is_infra_error
     assert "nonexistent-moerl" in (results[0].error or "")
     assert missing.status is ExecutionStatus.RUNTIME_ERROR
+
+
+def test_read_only_bind_of_a_file_below_a_private_directory(
+    sandbox: Sandbox, tmp_path: Path
+) -> None:
+    # A checkout in a `mktemp -d` dir is 0700: the sandbox uid cannot open what is below
+    # it, so a bound file (the HumanEval harness) is handed over as a readable copy.
+    private = tmp_path / "checkout"
+    private.mkdir(mode=0o700)
+    os.chmod(private, 0o700)
+    (private / "harness.py").write_text("print('harness ran')\n")
+    with sandbox.workspace() as ws:
+        binds = [(private / "harness.py", "/opt/harness.py")]
+        first = sandbox.run([PY, "-I", "/opt/harness.py"], ws, extra_ro_binds=binds)
+        (private / "harness.py").write_text("print('harness changed')\n")
+        os.utime(private / "harness.py", (time.time() + 5, time.time() + 5))
+        second = sandbox.run([PY, "-I", "/opt/harness.py"], ws, extra_ro_binds=binds)
+    assert first.status is ExecutionStatus.OK, first
+    assert first.stdout.strip() == b"harness ran"
+    assert second.stdout.strip() == b"harness changed"

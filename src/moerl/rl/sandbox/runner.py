@@ -32,7 +32,7 @@ from moerl.rl.sandbox.config import WEAKER_MODE_NOTICE, Limits, SandboxConfig
 from moerl.rl.sandbox.result import ExecutionResult, sandbox_error
 from moerl.rl.sandbox.seccomp import SeccompUnsupported, build_filter
 from moerl.rl.sandbox.verdict import classify
-from moerl.rl.sandbox.workspace import Workspace, sweep_stale_workspaces
+from moerl.rl.sandbox.workspace import Workspace, readable_copy, sweep_stale_workspaces
 
 log = logging.getLogger(__name__)
 _CHANNEL_CAP = 8 << 20
@@ -121,6 +121,11 @@ class Sandbox:
         extra_ro_binds: Sequence[tuple[Path, str]],
         group: Cgroup | None,
     ) -> ExecutionResult:
+        try:
+            binds = [(readable_copy(host, self.config.work_root), inside)
+                     for host, inside in extra_ro_binds]  # fmt: skip
+        except OSError as exc:
+            return sandbox_error(f"cannot bind {exc.filename} into the sandbox: {exc.strerror}")
         seccomp_fd = os.memfd_create("moerl-seccomp")
         os.write(seccomp_fd, self._seccomp)
         os.lseek(seccomp_fd, 0, os.SEEK_SET)
@@ -128,7 +133,8 @@ class Sandbox:
         chan_r, chan_w = os.pipe() if channel else (None, None)
         command = bwrap_argv(
             self.config, workspace.path, starter_argv(started_w, chan_w, argv),
-            seccomp_fd=seccomp_fd, extra_ro_binds=extra_ro_binds,
+            seccomp_fd=seccomp_fd,
+            extra_ro_binds=binds,
         )  # fmt: skip
         procs = group.procs_files() if group is not None else []
         passed = tuple(fd for fd in (seccomp_fd, started_w, chan_w) if fd is not None)

@@ -7,10 +7,12 @@ with O_NOFOLLOW and must be regular files.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
 import tempfile
+import threading
 from pathlib import Path, PurePosixPath
 
 
@@ -92,3 +94,26 @@ class Workspace:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def readable_copy(host: Path, root: Path | None) -> Path:
+    """A world-readable copy of the file `host` for a read-only bind into the sandbox
+    (a directory is returned as it is).
+
+    bwrap runs as the unprivileged sandbox uid, which cannot open files below a
+    private directory (a checkout in a `mktemp -d` dir is 0700). The copy lives in
+    `run-<pid>-shared` under the work root, so the sweep removes it with its owner.
+    """
+    if host.is_dir():
+        return host
+    shared = _base(root) / f"run-{os.getpid()}-shared"
+    digest = hashlib.sha256(str(host.resolve()).encode()).hexdigest()[:16]
+    target = shared / f"{digest}-{host.name}"
+    if not target.exists() or target.stat().st_mtime < host.stat().st_mtime:
+        shared.mkdir(parents=True, exist_ok=True)
+        os.chmod(shared, 0o755)
+        partial = target.with_name(f".{target.name}.{threading.get_ident()}.tmp")
+        shutil.copyfile(host, partial)
+        os.chmod(partial, 0o644)
+        os.replace(partial, target)
+    return target
