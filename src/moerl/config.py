@@ -70,6 +70,19 @@ def load_model_config(overrides: list[str]) -> tuple[MoEArch, int]:
     return arch, seq_length
 
 
+def check_init_weights(path: str | None) -> None:
+    """A weights dir to start from must be complete; refused at start-up otherwise."""
+    if path is None:
+        return
+    from moerl.models.weights import is_complete
+
+    if not is_complete(path):
+        raise ConfigError(
+            f"init_weights: {path} is not a complete weights directory; give the output "
+            "of `moerl sft` (<out_dir>/weights) or `moerl hf import`"
+        )
+
+
 @dataclass
 class RunConfig:
     """Everything one RL run (`moerl train`, `moerl demo`) is configured by."""
@@ -88,8 +101,10 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run_dir: str = "runs/default"
     seq_length: int = 4096  # for FLOP counts (model-info)
+    init_weights: str | None = None  # weights dir the run starts from (moerl sft / hf import)
 
     def __post_init__(self) -> None:
+        check_init_weights(self.init_weights)
         if self.rl.sampling.max_tokens + self.data.max_prompt_tokens > (
                 self.model.max_position_embeddings):
             raise ConfigError(

@@ -1,10 +1,18 @@
-"""A real sandbox with small limits, shared by the sandbox and reward tests."""
+"""Fixtures shared by unit tests: a real sandbox with small limits (sandbox and reward
+tests) and one process's torch.distributed + Megatron groups (model tests)."""
+
+from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from moerl.rl.sandbox import Limits, Sandbox, SandboxConfig
+
+if TYPE_CHECKING:
+    from moerl.parallel.groups import ParallelGroups
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +33,18 @@ def sandbox() -> Sandbox:
             ),
         )
     )
+
+
+@pytest.fixture(scope="module")
+def single_process() -> Iterator[ParallelGroups]:
+    """torch.distributed (gloo) and Megatron's groups for one process, per test module."""
+    from megatron.core.transformer.moe import moe_logging
+
+    from moerl.parallel.groups import destroy_parallel, init_parallel
+    from moerl.parallel.layout import ParallelLayout
+
+    groups = init_parallel(ParallelLayout(), seed=0)
+    yield groups
+    destroy_parallel()
+    # The MoE aux-loss tracker is process-global and sized by the last model's depth.
+    moe_logging.destroy_moe_metrics_tracker()

@@ -4,7 +4,6 @@ and works with it in place. Skipped where a GPU is present (no shims there)."""
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -13,17 +12,10 @@ import torch
 from moerl.parallel import cpu_shims
 from moerl.parallel.cpu_shims import SHIMS, apply_cpu_shims, shim_disabled
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims only without a GPU")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_process() -> Iterator[None]:
-    from moerl.parallel.groups import destroy_parallel, init_parallel
-    from moerl.parallel.layout import ParallelLayout
-
-    init_parallel(ParallelLayout())
-    yield
-    destroy_parallel()
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims only without a GPU"),
+    pytest.mark.usefixtures("single_process"),
+]
 
 
 def test_apply_is_idempotent() -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -41,15 +40,6 @@ def _worker() -> ModuleType:
 
 
 WORKER = _worker()
-
-
-@pytest.fixture(scope="module")
-def single_process() -> Iterator[None]:
-    from moerl.parallel.groups import destroy_parallel, init_parallel
-
-    init_parallel(ParallelLayout(), seed=0)
-    yield
-    destroy_parallel()
 
 
 @pytest.mark.parametrize("arch", [DEEPSEEK_V3, KIMI_K2, MOONLIGHT_16B_A3B])

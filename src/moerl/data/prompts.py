@@ -76,17 +76,24 @@ def _code_records(count: int, seed: int, prefix: str, sft_fraction: float) -> li
     ]
 
 
-def parse_row(line: str, row: int) -> PromptRecord:
-    """One JSONL row as a record; `DatasetError` naming the row and field otherwise."""
+def json_row(line: str, row: int, required: tuple[tuple[str, type], ...]) -> dict[str, Any]:
+    """One JSONL row as an object with the `required` (field, type) pairs; otherwise
+    `DatasetError` naming the row and the field."""
     try:
         data = json.loads(line)
     except json.JSONDecodeError as err:
         raise DatasetError(f"row {row}: not valid JSON ({err.msg})") from err
     if not isinstance(data, dict):
         raise DatasetError(f"row {row}: expected a JSON object")
-    for key, kind in (("prompt", str), ("reward", str), ("spec", dict)):
+    for key, kind in required:
         if not isinstance(data.get(key), kind):
             raise DatasetError(f"row {row}: field {key!r} missing or not a {kind.__name__}")
+    return data
+
+
+def parse_row(line: str, row: int) -> PromptRecord:
+    """One JSONL row as a record; `DatasetError` naming the row and field otherwise."""
+    data = json_row(line, row, (("prompt", str), ("reward", str), ("spec", dict)))
     reference = data.get("reference")
     if reference is not None and not isinstance(reference, str):
         raise DatasetError(f"row {row}: field 'reference' must be a string")

@@ -2,6 +2,7 @@
 
     moerl demo                               the default post-training demo (tiny MoE, CPU)
     moerl train experiment=demo rl.steps=60  an RL run (stages as local processes or SLURM)
+    moerl sft sft.pack=true sft.data_path=x.jsonl  supervised fine-tuning (torchrun-aware)
     moerl nemo +experiment=demo launcher=slurm  the run as nemo-run would submit it (dry run)
     moerl model-info model=kimi-k2 [--json]  parameters and training FLOPs per token
     moerl plan model=kimi-k2 cluster.nodes=128 [--json]
@@ -84,6 +85,17 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     return run_train(overrides, dry_run=args.dry_run)
 
 
+def _sft(args: argparse.Namespace, overrides: list[str]) -> int:
+    from moerl.data.sft import SFTDataError
+    from moerl.launchers.sft import run_sft_command
+
+    try:
+        return run_sft_command(overrides)
+    except SFTDataError as err:
+        print(f"moerl sft: data error: {err}", file=sys.stderr)
+        return 2
+
+
 def _nemo(args: argparse.Namespace, overrides: list[str]) -> int:
     from moerl.launchers.nemo import nemo_main
 
@@ -135,6 +147,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true",
                        help="with launcher.kind=slurm: print the sbatch script, submit nothing")
     train.set_defaults(handler=_train)
+    sft = sub.add_parser("sft", help="supervised fine-tuning; its weights start an RL run")
+    sft.set_defaults(handler=_sft)
     nemo = sub.add_parser("nemo", help="print the run as nemo-run would submit it (dry run)")
     nemo.set_defaults(handler=_nemo)
     trainer = sub.add_parser("trainer", help="the trainer stage of a run (started by train)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from moerl.checkpoint import CheckpointConfig
 from moerl.config import compose
@@ -62,12 +62,25 @@ def check_layout_at_start(arch: MoEArch, layout: ParallelLayout, world: int | No
     layout.check(arch, world, backend, te_available())
 
 
-def load_lm_config(overrides: list[str]) -> LMRunConfig:
-    data = compose(overrides, config_name="lm")
+class _WithLayout(Protocol):
+    model: MoEArch
+    parallel: ParallelLayout
+
+
+def load_with_layout[C: _WithLayout](overrides: list[str], config_name: str,
+                                     schema: type[C]) -> C:
+    """configs/<config_name>.yaml as `schema`, its layout derived and checked at start."""
+    data = compose(overrides, config_name=config_name)
     layout = layout_for_world(data.pop("parallel"))
-    cfg = from_dict(LMRunConfig, {**data, "parallel": {}}, "")
+    cfg = from_dict(schema, {**data, "parallel": {}}, "")
     cfg.parallel = layout
     check_layout_at_start(cfg.model, layout)
+    return cfg
+
+
+def load_lm_config(overrides: list[str]) -> LMRunConfig:
+    cfg = load_with_layout(overrides, "lm", LMRunConfig)
+    layout = cfg.parallel
     per_step = cfg.train.micro_batch * layout.dp
     if cfg.train.global_batch % per_step:
         raise ConfigError(

@@ -17,15 +17,13 @@ from moerl.checkpoint import Fingerprints
 from moerl.checkpointing.collective import barrier
 from moerl.config import RunConfig
 from moerl.data.prompts import PromptRecord, PromptStream, load_prompts
-from moerl.data.sft import encode_example
+from moerl.data.sft import instruction_examples
 from moerl.data.tokenizer import ByteTokenizer
 from moerl.launchers.plan import RunLayout
 from moerl.launchers.stages import ENV_RENDEZVOUS
-from moerl.models.build import build_model, te_available
 from moerl.models.weights import save_weights
 from moerl.observability import MetricsLogger, read_metrics
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
-from moerl.rl.config import SFTConfig
 from moerl.rl.loop import Controller, train
 from moerl.rl.losses import build_objective, objective_config_class
 from moerl.rl.policy import Policy, PolicyConfig
@@ -34,23 +32,17 @@ from moerl.rl.rewards.client import RewardClient, RewardClientConfig
 from moerl.rl.rollout.client import ClientConfig, RolloutClient
 from moerl.rl.weight_sync import build_weight_sync
 from moerl.signals import STOP_SIGNALS, StopOnSignal
-from moerl.trainer.optimizer import OptimConfig, build_optimizer
-from moerl.trainer.sft import run_sft
+from moerl.trainer.sft import build_sft_trainable, run_sft
 from moerl.typed_config import from_dict, to_dict
 
 
 def sft_phase(cfg: RunConfig, groups: ParallelGroups, tok: ByteTokenizer,
               records: list[PromptRecord], out: Path) -> Path:
-    """Train a fresh model on the records' reference completions; its weights dir."""
-    examples = [encode_example(tok, r.prompt, r.reference) for r in records if r.reference]
-    if not examples:
-        raise ValueError("sft.steps > 0 but the dataset has no reference completions")
-    sft: SFTConfig = cfg.sft
-    optim = OptimConfig(lr=sft.lr, min_lr=sft.lr / 10, warmup_steps=sft.warmup_steps,
-                        decay_steps=max(sft.steps, sft.warmup_steps + 1))
-    chunks = build_model(cfg.model, cfg.parallel, te=te_available(), backend=groups.backend)
-    trainable = build_optimizer(chunks, optim, cfg.parallel)
-    losses = run_sft(trainable, groups, examples, sft, tok.pad_id)
+    """SFT from `init_weights` (or a fresh model) on `sft.data_path` or the records'
+    reference completions; its weights dir."""
+    examples = instruction_examples(tok, cfg.sft.data_path, records)
+    trainable = build_sft_trainable(cfg.model, cfg.parallel, cfg.sft, groups, cfg.init_weights)
+    losses = run_sft(trainable, groups, examples, cfg.sft, tok.pad_id)
     if groups.is_logging_rank:
         Console().print(f"SFT: loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps")
     if groups.rank == 0:
@@ -117,7 +109,7 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
     # A checkpoint holds the policy after SFT and RL: no SFT again on resume.
     resuming = ckpt is not None and ckpt.found() is not None
     weights = (sft_phase(cfg, groups, tok, records, dirs.sft_weights)
-               if cfg.sft.steps and not resuming else None)
+               if cfg.sft.steps and not resuming else cfg.init_weights)
     objective_cfg = from_dict(objective_config_class(cfg.rl.objective),
                               cfg.rl.objective_args, "rl.objective_args")
     policy = Policy.build(

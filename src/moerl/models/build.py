@@ -23,6 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from moerl.models import packed_mtp
 from moerl.models.arch import MoEArch
 from moerl.models.mla_local import MLADotProductAttention, TPExactMLASelfAttention
 from moerl.models.ring_attention import ring_attention_spec_patch
@@ -221,12 +222,15 @@ def _moe_kwargs(arch: MoEArch, layout: ParallelLayout) -> dict[str, Any]:
 
 
 def build_layer_spec(
-    config: TransformerConfig, *, te: bool, vp_stage: int | None = None
+    config: TransformerConfig, *, te: bool, vp_stage: int | None = None,
+    packed_rows: bool = False,
 ) -> tuple[TransformerBlockSubmodules, ModuleSpec | None]:
     """Decoder block spec for this pipeline stage and the MTP block spec (or None).
 
     Dense layers where `moe_layer_freq` has 0, MoE elsewhere. The local spec gets
-    the two MLA fixes of `models.mla_local`.
+    the two MLA fixes of `models.mla_local`, and the ring attention under context
+    parallelism or for `packed_rows` (rows of several documents: Megatron's local
+    attention takes no document boundaries; the ring is exact at CP = 1).
     """
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage
@@ -234,9 +238,9 @@ def build_layer_spec(
     if not te and config.multi_latent_attention:
         for layer in block.layer_specs:
             _patch_local_mla(layer)
-    if not te and config.context_parallel_size > 1:
-        # Without TE's attention, context parallelism runs on the project's ring
-        # attention (the MTP layer reuses the last layer's spec, so it follows).
+    if not te and (config.context_parallel_size > 1 or packed_rows):
+        # Without TE's attention, context parallelism and packed rows run on the
+        # project's ring attention (the MTP layer reuses the last layer's spec).
         ring_attention_spec_patch(block)
     mtp = None
     if config.mtp_num_layers:
@@ -257,16 +261,28 @@ def build_model(
     te: bool = False,
     fp8: str | None = None,
     backend: str = "gloo",
+    packed_rows: bool = False,
     **overrides: Any,
 ) -> list[GPTModel]:
-    """One `GPTModel` per virtual pipeline stage held by this rank (1 without vpp)."""
+    """One `GPTModel` per virtual pipeline stage held by this rank (1 without vpp).
+
+    `packed_rows`: batches will carry document boundaries (`Batch.cu_seqlens`).
+    """
+    if packed_rows and te:
+        raise ValueError(
+            "packed rows (sft.pack=true) run on the local spec's ring attention; with "
+            "Transformer Engine they would need THD batches, which are not built yet: "
+            "set sft.pack=false"
+        )
     config = build_transformer_config(
         arch, layout, te=te, fp8=fp8, backend=backend, **overrides
     )
+    if packed_rows and arch.mtp_num_layers:
+        packed_mtp.install()
     chunks = []
     for vp in range(layout.virtual_stages):
         vp_stage = vp if layout.vpp else None
-        block, mtp = build_layer_spec(config, te=te, vp_stage=vp_stage)
+        block, mtp = build_layer_spec(config, te=te, vp_stage=vp_stage, packed_rows=packed_rows)
         model = GPTModel(
             config=config,
             transformer_layer_spec=block,

@@ -110,11 +110,26 @@ class RLConfig:
 
 @dataclass
 class SFTConfig:
-    """The `sft` group: supervised warm-up on the prompts' reference completions."""
+    """The `sft` group: supervised fine-tuning (`moerl sft`, or the warm-up before RL)
+    on instruction data, loss on the responses only."""
 
     steps: int = 0  # 0: no SFT
-    global_batch: int = 32
+    global_batch: int = 32  # rows per step (with `pack`, each row holds several examples)
     micro_batch: int = 8
     seq_length: int = 96
     lr: float = 3e-3
     warmup_steps: int = 10
+    pack: bool = False  # several examples per row, attention kept inside each
+    # JSONL of {"prompt": ..., "response": ...}; null: the `data` group's reference
+    # completions (the prompts' `reference` field)
+    data_path: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "micro_batch", "seq_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"sft.{name}: must be >= 1")
+        if self.steps < 0 or self.warmup_steps < 0:
+            raise ValueError("sft.steps and sft.warmup_steps: must be >= 0")
+        if self.global_batch % self.micro_batch:
+            raise ValueError(f"sft.global_batch: {self.global_batch} is not a multiple of "
+                             f"sft.micro_batch ({self.micro_batch})")

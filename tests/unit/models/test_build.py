@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -13,20 +12,6 @@ from moerl.models.arch import TINY
 from moerl.models.build import BuildError, build_layer_spec, build_model, build_transformer_config
 from moerl.models.mla_local import MLADotProductAttention, TPExactMLASelfAttention
 from moerl.parallel.layout import ParallelLayout
-
-
-@pytest.fixture(scope="module")
-def single_process() -> Iterator[None]:
-    from megatron.core.transformer.moe import moe_logging
-
-    from moerl.parallel.groups import destroy_parallel, init_parallel
-
-    init_parallel(ParallelLayout(), seed=0)
-    yield
-    destroy_parallel()
-    # The MoE aux-loss tracker is process-global and sized by the last model's depth.
-    moe_logging.destroy_moe_metrics_tracker()
-
 
 FORWARD_BACKWARD = """
 import torch

@@ -1,0 +1,104 @@
+"""`moerl sft`: supervised fine-tuning as a run of its own.
+
+The same model, layout and SFT code as the warm-up of `moerl train`; it writes
+`<out_dir>/weights` (layout-independent), which `moerl train init_weights=...`
+starts RL from. Checkpointed like `moerl train-lm`: killed or requeued, the same
+command continues at the saved step (batches are a function of the step).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moerl.checkpoint import CheckpointConfig
+from moerl.config import check_init_weights
+from moerl.data.prompts import DataConfig
+from moerl.launchers.lm import load_with_layout
+from moerl.models.arch import MoEArch
+from moerl.parallel.layout import ParallelLayout
+from moerl.rl.config import SFTConfig
+from moerl.typed_config import ConfigError
+
+
+@dataclass
+class SFTRunConfig:
+    model: MoEArch
+    parallel: ParallelLayout
+    sft: SFTConfig
+    data: DataConfig = field(default_factory=DataConfig)
+    out_dir: str = "runs/sft"
+    init_weights: str | None = None
+    seed: int = 0
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        if self.sft.steps < 1:
+            raise ConfigError("sft.steps: `moerl sft` needs at least one step (e.g. sft.steps=200)")
+        check_init_weights(self.init_weights)
+
+
+def load_sft_config(overrides: list[str]) -> SFTRunConfig:
+    cfg = load_with_layout(overrides, "sft_run", SFTRunConfig)
+    from moerl.trainer.sft import check_sft_layout
+
+    try:
+        check_sft_layout(cfg.sft, cfg.parallel)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    return cfg
+
+
+def run_sft_command(overrides: list[str]) -> int:
+    from rich.console import Console
+
+    from moerl.checkpoint import Checkpointer, Fingerprints
+    from moerl.data.prompts import load_prompts
+    from moerl.data.sft import instruction_examples
+    from moerl.data.tokenizer import ByteTokenizer
+    from moerl.models.weights import save_weights
+    from moerl.parallel.groups import destroy_parallel, init_parallel
+    from moerl.signals import STOP_SIGNALS, StopOnSignal
+    from moerl.trainer.sft import build_sft_trainable, run_sft, sft_optim
+    from moerl.trainer.step import StepMetrics
+
+    cfg = load_sft_config(overrides)
+    out = Path(cfg.out_dir).resolve()
+    tok = ByteTokenizer(cfg.model.vocab_size)
+    records = load_prompts(cfg.data)[0] if cfg.sft.data_path is None else []
+    examples = instruction_examples(tok, cfg.sft.data_path, records)
+    groups = init_parallel(cfg.parallel, seed=cfg.seed)
+    try:
+        trainable = build_sft_trainable(cfg.model, cfg.parallel, cfg.sft, groups, cfg.init_weights)
+        ckpt = None
+        if cfg.checkpoint.enabled:
+            run = {"sft": cfg.sft, "optim": sft_optim(cfg.sft), "init": cfg.init_weights}
+            ckpt = Checkpointer(cfg.checkpoint, Fingerprints.of(cfg.model, examples, run))
+        resumed = ckpt.load(trainable, require=("data",)) if ckpt else None
+        start = resumed.step if resumed else 0
+        with StopOnSignal(STOP_SIGNALS if ckpt else ()) as stop:
+            def after(step: int, metrics: StepMetrics) -> None:
+                if ckpt is not None:
+                    done = step + 1
+                    ckpt.end_of_step(done, trainable, {"data": {"next_step": done}}, stop,
+                                     done == cfg.sft.steps)
+
+            losses = run_sft(trainable, groups, examples, cfg.sft, tok.pad_id, on_step=after,
+                             start_step=start)
+        if ckpt is not None:
+            ckpt.close()
+        weights = out / "weights"
+        if groups.rank == 0:
+            shutil.rmtree(weights, ignore_errors=True)
+        save_weights(list(trainable.model), weights)
+        if groups.is_logging_rank:
+            console = Console()
+            if losses:
+                console.print(f"SFT: loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps "
+                              f"{start}..{cfg.sft.steps - 1}")
+            console.print(f"weights: {weights}\nstart RL from them: moerl train "
+                          f"init_weights={weights}", soft_wrap=True)
+        return 0
+    finally:
+        destroy_parallel()
