@@ -16,6 +16,7 @@ then has something to fix.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 _OPS = {"plus": "+", "minus": "-", "times": "*"}
@@ -39,9 +40,10 @@ def _expected(op: str, arg: int, const: int) -> int:
     return {"+": arg + const, "-": arg - const, "*": arg * const}[op]
 
 
-def make_task(rng: random.Random, uid: str) -> CodeTask:
+def make_task(rng: random.Random, uid: str, constants: Sequence[int] | None = None) -> CodeTask:
+    """One task; its constant from `constants` (digits; None: any of 0-9)."""
     word, op = rng.choice(sorted(_OPS.items()))
-    const = rng.randrange(10)
+    const = rng.randrange(10) if constants is None else rng.choice(constants)
     arg = rng.choice(_ARGS)
     name = rng.choice(_NAMES)
     prompt = f'def {name}({arg}):\n    """Return {arg} {word} {const}."""\n'
@@ -53,10 +55,11 @@ def make_task(rng: random.Random, uid: str) -> CodeTask:
     return CodeTask(uid, prompt, reference, f"def check(candidate):\n{asserts}", name)
 
 
-def make_tasks(count: int, seed: int, prefix: str = "task") -> list[CodeTask]:
+def make_tasks(count: int, seed: int, prefix: str = "task",
+               constants: Sequence[int] | None = None) -> list[CodeTask]:
     """`count` tasks drawn from `seed`; different seeds give independent sets."""
     rng = random.Random(seed)
-    return [make_task(rng, f"{prefix}-{seed}-{i}") for i in range(count)]
+    return [make_task(rng, f"{prefix}-{seed}-{i}", constants) for i in range(count)]
 
 
 def noisy_demonstration(task: CodeTask, rng: random.Random, correct_fraction: float) -> str:

@@ -45,12 +45,16 @@ class DataConfig:
     max_prompt_tokens: int = 256  # longer prompts are dropped (counted) or fail when strict
     strict: bool = False
     sft_correct_fraction: float = 0.5  # code_tasks: share of correct SFT demonstrations
+    constants: list[int] | None = None  # code_tasks: the tasks' constants; null: 0-9
 
     def __post_init__(self) -> None:
         if self.source == "jsonl" and not self.path:
             raise ValueError("data.path: source=jsonl needs a path to a .jsonl file")
         if not 0.0 <= self.sft_correct_fraction <= 1.0:
             raise ValueError("data.sft_correct_fraction: must be within [0, 1]")
+        if self.constants is not None and (
+                not self.constants or any(not 0 <= c <= 9 for c in self.constants)):
+            raise ValueError("data.constants: a non-empty list of digits 0-9, or null for all")
 
 
 @dataclass
@@ -62,7 +66,8 @@ class LoadReport:
         self.dropped[why] = self.dropped.get(why, 0) + 1
 
 
-def _code_records(count: int, seed: int, prefix: str, sft_fraction: float) -> list[PromptRecord]:
+def _code_records(count: int, seed: int, prefix: str, sft_fraction: float,
+                  constants: list[int] | None) -> list[PromptRecord]:
     rng = random.Random(seed + 7919)
     return [
         PromptRecord(
@@ -72,7 +77,7 @@ def _code_records(count: int, seed: int, prefix: str, sft_fraction: float) -> li
             spec={"prompt": t.prompt, "test": t.tests, "entry_point": t.entry_point},
             reference=noisy_demonstration(t, rng, sft_fraction),
         )
-        for t in make_tasks(count, seed, prefix)
+        for t in make_tasks(count, seed, prefix, constants)
     ]
 
 
@@ -127,8 +132,9 @@ def load_jsonl(path: str | Path, max_chars: int, strict: bool) -> tuple[list[Pro
 def load_prompts(cfg: DataConfig) -> tuple[list[PromptRecord], list[PromptRecord], LoadReport]:
     """(train, eval, report) records for the config."""
     if cfg.source == "code_tasks":
-        train = _code_records(cfg.train_size, cfg.seed, "train", cfg.sft_correct_fraction)
-        held_out = _code_records(cfg.eval_size, cfg.seed + 1_000_003, "eval", 1.0)
+        train = _code_records(cfg.train_size, cfg.seed, "train", cfg.sft_correct_fraction,
+                              cfg.constants)
+        held_out = _code_records(cfg.eval_size, cfg.seed + 1_000_003, "eval", 1.0, cfg.constants)
         return train, held_out, LoadReport(loaded=len(train))
     assert cfg.path is not None
     # Bytes are a safe upper bound of tokens for any tokenizer the project ships.

@@ -116,6 +116,8 @@ def run_sft(
             bar.console.print(f"SFT: {len(examples)} examples packed into {len(rows)} rows of "
                               f"{cfg.seq_length} ({used / (len(rows) * cfg.seq_length):.0%} full)")
         task = bar.add_task("sft", total=cfg.steps, info="", completed=start_step)
+        log_lines = groups.is_logging_rank and not bar.console.is_terminal
+        every = max(1, cfg.steps // 20)
         for step in range(start_step, cfg.steps):
             def make() -> Iterator[Batch]:
                 return _rank_batches(examples, rows, step, cfg, groups, pad_id)  # noqa: B023
@@ -128,6 +130,9 @@ def run_sft(
             )
             losses.append(metrics.loss)
             bar.update(task, advance=1, info=f"loss {metrics.loss:.4f}")
+            if log_lines and (step + 1) % every == 0:  # a log file gets no progress bar
+                bar.console.print(f"SFT step {step + 1}/{cfg.steps}  loss {metrics.loss:.4f}  "
+                                  f"lr {metrics.lr:.2e}")
             if on_step is not None:
                 on_step(step, metrics)
     return losses

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from moerl.data.code_tasks import make_tasks, noisy_demonstration
+from moerl.data.prompts import DataConfig
 from moerl.data.tokenizer import ByteTokenizer
 
 
@@ -50,3 +51,13 @@ def test_wrong_demonstrations_fail_their_tests() -> None:
 def test_task_sets_are_reproducible_and_seed_dependent() -> None:
     assert make_tasks(5, seed=1) == make_tasks(5, seed=1)
     assert [t.prompt for t in make_tasks(5, seed=1)] != [t.prompt for t in make_tasks(5, seed=2)]
+
+
+def test_constants_restrict_the_task_family() -> None:
+    tasks = make_tasks(40, seed=6, constants=[3, 7])
+    assert {t.reference.rstrip()[-1] for t in tasks} == {"3", "7"}
+    for task in tasks:
+        assert _passes(task.program(task.reference), task.tests, task.entry_point)
+    for bad in ([], [12]):
+        with pytest.raises(ValueError, match="data.constants"):
+            DataConfig(constants=bad)
