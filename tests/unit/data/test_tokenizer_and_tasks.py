@@ -59,5 +59,5 @@ def test_constants_restrict_the_task_family() -> None:
     for task in tasks:
         assert _passes(task.program(task.reference), task.tests, task.entry_point)
     for bad in ([], [12]):
-        with pytest.raises(ValueError, match="data.constants"):
+        with pytest.raises(ValueError, match=r"data\.constants"):
             DataConfig(constants=bad)
