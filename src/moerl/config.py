@@ -131,4 +131,9 @@ def load_run_config(overrides: list[str], world_size: int | None = None) -> RunC
         layout = from_dict(ParallelLayout, raw_parallel, "parallel")
     cfg = from_dict(RunConfig, {**data, "parallel": {}}, "")
     cfg.parallel = layout
+    if cfg.sft.steps:
+        try:
+            cfg.sft.check_layout(layout, cfg.model.mtp_num_layers)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
     return cfg

@@ -41,10 +41,8 @@ class SFTRunConfig:
 
 def load_sft_config(overrides: list[str]) -> SFTRunConfig:
     cfg = load_with_layout(overrides, "sft_run", SFTRunConfig)
-    from moerl.trainer.sft import check_sft_layout
-
     try:
-        check_sft_layout(cfg.sft, cfg.parallel)
+        cfg.sft.check_layout(cfg.parallel, cfg.model.mtp_num_layers)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     return cfg

@@ -49,8 +49,10 @@ class ParallelGroups:
 
     @property
     def is_logging_rank(self) -> bool:
-        """The rank that prints: the last pipeline stage (it holds the loss), first of dp/tp."""
-        return self.is_pp_last and self.dp_rank == 0 and self.tp_rank == 0
+        """The rank that prints: the last pipeline stage (it holds the loss), first of
+        dp/tp/cp."""
+        return (self.is_pp_last and self.dp_rank == 0 and self.tp_rank == 0
+                and self.cp_group.rank() == 0)
 
 
 def _free_port() -> int:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from moerl.rl.rollout.types import SamplingParams
+
+if TYPE_CHECKING:
+    from moerl.parallel.layout import ParallelLayout
 
 AdvantageKind = Literal["grpo", "grpo_no_std", "rloo"]
 
@@ -133,3 +136,23 @@ class SFTConfig:
         if self.global_batch % self.micro_batch:
             raise ValueError(f"sft.global_batch: {self.global_batch} is not a multiple of "
                              f"sft.micro_batch ({self.micro_batch})")
+
+    def check_layout(self, layout: ParallelLayout, mtp_layers: int) -> None:
+        """The batch-shape rules of a layout, naming the sft field to change."""
+        if self.global_batch % (self.micro_batch * layout.dp):
+            raise ValueError(
+                f"sft.global_batch: {self.global_batch} must be a multiple of sft.micro_batch "
+                f"* dp = {self.micro_batch * layout.dp}"
+            )
+        split = 2 * layout.cp if layout.cp > 1 else 1
+        split *= layout.tp if layout.resolved_sequence_parallel() else 1
+        if self.seq_length % split:
+            raise ValueError(
+                f"sft.seq_length: {self.seq_length} must be a multiple of {split} "
+                "(2*cp for the context-parallel split, times tp under sequence parallelism)"
+            )
+        if self.pack and layout.cp > 1 and mtp_layers:
+            raise ValueError(
+                "sft.pack: multi-token prediction over packed rows under context parallelism "
+                "is not supported; set sft.pack=false, model.mtp_num_layers=0 or parallel.cp=1"
+            )

@@ -49,28 +49,12 @@ def build_sft_trainable(
     init_weights: str | Path | None = None,
 ) -> Trainable:
     """The model (fresh, or from `init_weights`) and its optimizer for SFT."""
-    check_sft_layout(cfg, layout)
+    cfg.check_layout(layout, arch.mtp_num_layers)
     chunks = build_model(arch, layout, te=te_available(), backend=groups.backend,
                          packed_rows=cfg.pack)
     if init_weights is not None:
         load_weights(list(chunks), init_weights)
     return build_optimizer(chunks, sft_optim(cfg), layout)
-
-
-def check_sft_layout(cfg: SFTConfig, layout: ParallelLayout) -> None:
-    """The batch shape rules of a layout, naming the sft field to change."""
-    if cfg.global_batch % (cfg.micro_batch * layout.dp):
-        raise ValueError(
-            f"sft.global_batch: {cfg.global_batch} must be a multiple of sft.micro_batch * dp "
-            f"= {cfg.micro_batch * layout.dp}"
-        )
-    split = 2 * layout.cp if layout.cp > 1 else 1
-    split *= layout.tp if layout.resolved_sequence_parallel() else 1
-    if cfg.seq_length % split:
-        raise ValueError(
-            f"sft.seq_length: {cfg.seq_length} must be a multiple of {split} "
-            "(2*cp for the context-parallel split, times tp under sequence parallelism)"
-        )
 
 
 def _rank_batches(
@@ -104,7 +88,6 @@ def run_sft(
     """Optimizer steps `start_step` .. `cfg.steps - 1` over `examples` (cycled); the
     loss of each step run. `on_step(step, metrics)` follows every step."""
     layout = groups.layout
-    check_sft_layout(cfg, layout)
     rows = sft_rows(examples, cfg)
     num_micro = cfg.global_batch // (cfg.micro_batch * layout.dp)
     losses: list[float] = []

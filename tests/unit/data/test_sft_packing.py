@@ -18,6 +18,8 @@ from moerl.data.sft import (
     sft_batch,
 )
 from moerl.data.tokenizer import ByteTokenizer
+from moerl.parallel.layout import ParallelLayout
+from moerl.rl.config import SFTConfig
 
 TOK = ByteTokenizer()
 
@@ -85,3 +87,20 @@ def test_jsonl_instruction_rows_and_errors_naming_row_and_field(tmp_path: Path) 
             load_sft_jsonl(bad)
     with pytest.raises(SFTDataError, match=r"sft.data_path: .* is not a file"):
         load_sft_jsonl(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.parametrize(
+    ("sft", "layout", "mtp", "message"),
+    [
+        (SFTConfig(global_batch=8, micro_batch=4), ParallelLayout(dp=4), 0, "sft.global_batch"),
+        (SFTConfig(seq_length=90), ParallelLayout(cp=2, dp=1), 0, "sft.seq_length: 90 .* of 4"),
+        (SFTConfig(seq_length=100), ParallelLayout(tp=2, cp=2, dp=1), 0, "multiple of 8"),
+        (SFTConfig(pack=True), ParallelLayout(cp=2, dp=1), 1, "sft.pack: multi-token"),
+    ],
+)
+def test_sft_batch_shape_rules_name_the_field(
+    sft: SFTConfig, layout: ParallelLayout, mtp: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        sft.check_layout(layout, mtp)
+    SFTConfig(global_batch=8, micro_batch=2, seq_length=96).check_layout(layout, 0)
