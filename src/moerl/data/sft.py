@@ -109,7 +109,7 @@ def sft_batch(
     )
 
 
-def _slots(ex: SFTExample) -> int:
+def row_slots(ex: SFTExample) -> int:
     """Positions an example takes in a row: all its tokens but the last (an input
     whose label would lie outside the example)."""
     return len(ex.prompt_ids) + len(ex.response_ids) - 1
@@ -125,7 +125,7 @@ def pack_examples(examples: Sequence[SFTExample], seq_length: int) -> list[list[
     rows: list[list[int]] = []
     room: list[int] = []
     for i, ex in enumerate(examples):
-        need = _slots(ex)
+        need = row_slots(ex)
         if need > seq_length:
             raise ValueError(
                 f"example {i}: {need + 1} tokens exceed sft.seq_length + 1 = {seq_length + 1}; "

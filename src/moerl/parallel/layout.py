@@ -57,6 +57,12 @@ class ParallelLayout:
     def resolved_sequence_parallel(self) -> bool:
         return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
 
+    def sequence_multiple(self) -> int:
+        """What a row's length must be a multiple of: 2·CP equal chunks (CP > 1), each
+        rank's share split over TP under sequence parallelism."""
+        multiple = self.tp if self.resolved_sequence_parallel() else 1
+        return multiple * (2 * self.cp if self.cp > 1 else 1)
+
     def resolved_batch_p2p_comm(self, backend: str) -> bool:
         if self.batch_p2p_comm is not None:
             return self.batch_p2p_comm

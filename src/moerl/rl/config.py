@@ -144,8 +144,7 @@ class SFTConfig:
                 f"sft.global_batch: {self.global_batch} must be a multiple of sft.micro_batch "
                 f"* dp = {self.micro_batch * layout.dp}"
             )
-        split = 2 * layout.cp if layout.cp > 1 else 1
-        split *= layout.tp if layout.resolved_sequence_parallel() else 1
+        split = layout.sequence_multiple()
         if self.seq_length % split:
             raise ValueError(
                 f"sft.seq_length: {self.seq_length} must be a multiple of {split} "

@@ -146,10 +146,8 @@ class Policy:
     def pack(self, samples: Sequence[RLSample]) -> list[RLMicroBatch]:
         """This rank's share of `samples` as same-shape micro-batches."""
         layout = self.groups.layout
-        multiple = layout.tp if layout.resolved_sequence_parallel() else 1
-        if layout.cp > 1:  # 2·CP equal chunks per row, each rank's share split over TP
-            multiple *= 2 * layout.cp
-        plan = plan_microbatches(samples, self.cfg.token_budget, layout.dp, multiple)
+        plan = plan_microbatches(samples, self.cfg.token_budget, layout.dp,
+                                 layout.sequence_multiple())
         return pack(samples, plan, self.groups.dp_rank)
 
     def logprobs(

@@ -18,7 +18,7 @@ from pathlib import Path
 from megatron.core import parallel_state as ps
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from moerl.data.sft import SFTExample, pack_examples, packed_batch, sft_batch
+from moerl.data.sft import SFTExample, pack_examples, packed_batch, row_slots, sft_batch
 from moerl.data.synthetic import Batch
 from moerl.models.arch import MoEArch
 from moerl.models.build import build_model, te_available
@@ -95,7 +95,7 @@ def run_sft(
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                   disable=not groups.is_logging_rank) as bar:
         if cfg.pack:
-            used = sum(len(e.prompt_ids) + len(e.response_ids) - 1 for e in examples)
+            used = sum(row_slots(e) for e in examples)
             bar.console.print(f"SFT: {len(examples)} examples packed into {len(rows)} rows of "
                               f"{cfg.seq_length} ({used / (len(rows) * cfg.seq_length):.0%} full)")
         task = bar.add_task("sft", total=cfg.steps, info="", completed=start_step)
