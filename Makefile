@@ -13,6 +13,7 @@ demo: setup
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks scripts
+	$(VENV)/bin/lint-imports
 
 typecheck: setup
 	$(VENV)/bin/mypy

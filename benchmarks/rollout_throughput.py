@@ -30,7 +30,7 @@ BATCHES = (1, 8, 32)
 def start_server(threads: int, rendezvous: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moerl.rl.rollout.server", "--port", "0", "--seed", str(SEED),
+        [sys.executable, "-m", "moerl.rollout.server", "--port", "0", "--seed", str(SEED),
          "--max-batch", "32", "--rendezvous-dir", str(rendezvous)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -66,8 +66,8 @@ def server_tokens_per_s(url: str, batch: int, new: int, concurrent: bool) -> flo
 
 
 def client_tokens_per_s(url: str, batch: int, new: int) -> float:
-    from moerl.rl.rollout.client import RolloutClient
-    from moerl.rl.rollout.types import SamplingParams
+    from moerl.rollout.client import RolloutClient
+    from moerl.rollout.types import SamplingParams
 
     client = RolloutClient([url])
     start = time.perf_counter()

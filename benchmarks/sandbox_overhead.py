@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from moerl.rl.sandbox import ExecutionStatus, Sandbox
+from moerl.sandbox import ExecutionStatus, Sandbox
 
 PROGRAMS = {
     "python3 print": ["/usr/bin/python3", "-I", "-c", "print(1)"],

@@ -28,13 +28,14 @@ from moerl.models.arch import TINY
 from moerl.models.build import build_model
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
-from moerl.rl.rollout.sampling import RowSampling
-from moerl.rl.rollout.speculative import SpeculativeConfig
-from moerl.rl.rollout.speculative_decode import SpeculativeDecoder
-from moerl.rl.rollout.static_decode import DecodeRow, StaticDecoder
-from moerl.rl.rollout.types import SamplingParams, SpeculationStats
+from moerl.rollout.sampling import RowSampling
+from moerl.rollout.speculative.config import SpeculativeConfig
+from moerl.rollout.speculative_decode import SpeculativeDecoder
+from moerl.rollout.static_decode import DecodeRow, StaticDecoder
+from moerl.rollout.types import SamplingParams, SpeculationStats
+from moerl.trainer.config import OptimConfig
 from moerl.trainer.lm import batch_iterators
-from moerl.trainer.optimizer import OptimConfig, build_optimizer
+from moerl.trainer.optimizer import build_optimizer
 from moerl.trainer.step import train_step
 
 SEQ, GLOBAL, MICRO, NEW_TOKENS = 32, 16, 8, 24

@@ -102,7 +102,7 @@ def main() -> int:
     if args.check:
         import fastapi.testclient  # noqa: F401  (what the rollout check serves through)
 
-        import moerl.rl.rollout.server  # noqa: F401
+        import moerl.rollout.server  # noqa: F401
 
         print("gpu_smoke: imports ok")
         return 0

@@ -17,8 +17,8 @@ import importlib.util
 import shlex
 import traceback
 
-from moerl.launchers.plan import RolloutStageConfig
-from moerl.rl.rollout.backends import engine_argv, launch_env
+from moerl.rollout.backends import engine_argv, launch_env
+from moerl.rollout.config import RolloutStageConfig
 
 PROMPTS = ("def add(a, b):", "The capital of France is", "1, 2, 3, 5, 8,", "x")
 
@@ -40,12 +40,12 @@ def dynamic_vs_static(max_tokens: int = 24) -> bool:
 
     from moerl.data.tokenizer import ByteTokenizer
     from moerl.parallel.groups import destroy_parallel
-    from moerl.rl.rollout.batching import BatchScheduler
-    from moerl.rl.rollout.dynamic_decode import dynamic_missing
-    from moerl.rl.rollout.engine import EngineOptions, MegatronEngine, build_engine
-    from moerl.rl.rollout.server import ServerState, create_app
-    from moerl.rl.rollout.types import GenerationRequest, SamplingParams
-    from moerl.rl.rollout.wire import generation_call, parse_generation
+    from moerl.rollout.batching import BatchScheduler
+    from moerl.rollout.dynamic_decode import dynamic_missing
+    from moerl.rollout.engine import EngineOptions, MegatronEngine, build_engine
+    from moerl.rollout.server import ServerState, create_app
+    from moerl.rollout.types import GenerationRequest, SamplingParams
+    from moerl.rollout.wire import generation_call, parse_generation
 
     missing = dynamic_missing()
     if missing is not None:

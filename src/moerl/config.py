@@ -8,20 +8,24 @@ and only typed sub-configs travel inward.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from moerl.checkpointing.config import CheckpointConfig
+from moerl.checkpoint.config import CheckpointConfig
 from moerl.data.prompts import DataConfig
-from moerl.launchers.cluster import ClusterConfig
-from moerl.launchers.plan import LaunchConfig, RewardStageConfig, RolloutStageConfig
 from moerl.models.arch import MoEArch
 from moerl.observability import LoggerConfig
 from moerl.parallel.layout import ParallelLayout
-from moerl.rl.config import RLConfig, SFTConfig
-from moerl.trainer.optimizer import OptimConfig
+from moerl.rewards.config import RewardStageConfig
+from moerl.rl.config import RLConfig
+from moerl.rollout.config import RolloutStageConfig
+from moerl.trainer.config import OptimConfig, SFTConfig
 from moerl.typed_config import ConfigError, from_dict
+
+# SLURM's --mem-per-cpu: a number with an optional unit.
+MEM_PER_CPU = re.compile(r"^\d+[KMGT]?$")
 
 _REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -74,13 +78,69 @@ def check_init_weights(path: str | None) -> None:
     """A weights dir to start from must be complete; refused at start-up otherwise."""
     if path is None:
         return
-    from moerl.models.weights import is_complete
+    from moerl.models.weights_marker import is_complete
 
     if not is_complete(path):
         raise ConfigError(
             f"init_weights: {path} is not a complete weights directory; give the output "
             "of `moerl sft` (<out_dir>/weights) or `moerl hf import`"
         )
+
+
+@dataclass
+class LaunchConfig:
+    """The `launcher` group."""
+
+    kind: Literal["local", "slurm"] = "local"
+    trainer_ranks: int = 1  # torchrun processes per trainer node
+    trainer_nodes: int = 1
+    gpus_per_node: int = 0
+    startup_timeout_s: float = 300.0
+    python: str | None = None  # the interpreter every stage runs; None: this one
+
+
+@dataclass
+class ClusterConfig:
+    """The `cluster` group (SLURM only)."""
+
+    trainer_partition: str | None = None
+    """None: the cluster's default partition (likewise below)."""
+    rollout_partition: str | None = None
+    reward_partition: str | None = None
+    account: str | None = None
+    time: str = "04:00:00"
+    mem_per_cpu: str | None = None
+    """e.g. "4G" for every component; None: the cluster's default."""
+    signal_seconds: int = 600
+    """USR1 this long before the time limit (checkpoint, then requeue); 0: none."""
+    requeue: bool = True
+    job_name: str | None = None
+    """None: the name of the run directory."""
+    rollout_port: int = 8000
+    """replica i of a stage listens on port + i; fixed, as servers on one node share it."""
+    reward_port: int = 8100
+    master_port: int = 29500
+    master_addr: str | None = None
+    """None: the first trainer node by name; set it where node names do not resolve."""
+    advertise_host: str | None = None
+    """address servers announce; None: each node's hostname."""
+    torchrun: list[str] = field(default_factory=list)
+    """the torchrun command; empty: `<launcher.python> -m torch.distributed.run`."""
+    setup: list[str] = field(default_factory=list)
+    """shell lines run in the batch script before any step (module load, ...)."""
+    grace_s: int = 30
+    """seconds between SIGTERM and SIGKILL when the job's steps are stopped."""
+
+    def __post_init__(self) -> None:
+        for name in ("rollout_port", "reward_port", "master_port"):
+            if not 0 < getattr(self, name) < 65536:
+                raise ValueError(f"cluster.{name}: expected a port in 1..65535")
+        # The SLURM script's own rules (launchers.slurm.SlurmConfig), at start-up
+        # rather than at submission.
+        if self.mem_per_cpu is not None and not MEM_PER_CPU.match(self.mem_per_cpu):
+            raise ValueError(f"cluster.mem_per_cpu={self.mem_per_cpu!r}: expected e.g. 4000, 4G")
+        if self.signal_seconds < 0 or self.grace_s < 0:
+            raise ValueError("cluster.signal_seconds and cluster.grace_s must be >= 0")
 
 
 @dataclass

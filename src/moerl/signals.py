@@ -5,7 +5,7 @@ and SIGTERM at preemption. The handler only records the signal: the training
 loop asks `agreed()` after each step, which all-reduces the flag (max) over the
 ranks, so every rank stops after the same step even if the signal reached only
 some of them, or reached them during different steps. The loop then checkpoints
-and exits with `launchers.stages.REQUEUE_EXIT_CODE`, which makes the SLURM
+and exits with `rendezvous.REQUEUE_EXIT_CODE`, which makes the SLURM
 script requeue the job.
 """
 

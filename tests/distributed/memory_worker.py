@@ -30,9 +30,10 @@ from moerl.models.arch import TINY
 from moerl.models.build import build_model
 from moerl.parallel.groups import destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
-from moerl.parallel.saved_activations import counting_saved_activations
+from moerl.trainer.config import OptimConfig
 from moerl.trainer.lm import batch_iterators
-from moerl.trainer.optimizer import OptimConfig, build_optimizer
+from moerl.trainer.optimizer import build_optimizer
+from moerl.trainer.saved_activations import counting_saved_activations
 from moerl.trainer.step import train_step
 
 

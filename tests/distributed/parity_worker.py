@@ -23,8 +23,9 @@ from moerl.models.build import build_model
 from moerl.models.weights import load_weights, save_weights
 from moerl.parallel.groups import destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
+from moerl.trainer.config import OptimConfig
 from moerl.trainer.lm import batch_iterators
-from moerl.trainer.optimizer import OptimConfig, build_optimizer
+from moerl.trainer.optimizer import build_optimizer
 from moerl.trainer.step import train_step
 
 GLOBAL_BATCH, MICRO_BATCH, SEQ_LENGTH, STEPS = 8, 2, 32, 3

@@ -25,7 +25,7 @@ from moerl.parallel.groups import destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
 from moerl.rl.losses import GRPOConfig, build_objective
 from moerl.rl.policy import Policy, PolicyConfig
-from moerl.trainer.optimizer import OptimConfig
+from moerl.trainer.config import OptimConfig
 
 
 def samples(n: int = 8) -> list[RLSample]:

@@ -161,8 +161,9 @@ def _run_model(args: argparse.Namespace) -> dict[str, Any]:
     from moerl.models.weights import load_weights, save_weights
     from moerl.parallel.groups import destroy_parallel, init_parallel
     from moerl.parallel.layout import ParallelLayout
+    from moerl.trainer.config import OptimConfig
     from moerl.trainer.lm import batch_iterators
-    from moerl.trainer.optimizer import OptimConfig, build_optimizer
+    from moerl.trainer.optimizer import build_optimizer
     from moerl.trainer.step import train_step
 
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -26,7 +26,7 @@ from worker_launch import worker_command, worker_env
 
 from moerl.models.arch import TINY
 from moerl.parallel.layout import ParallelLayout
-from moerl.parallel.memory import RunSettings, rank_memory
+from moerl.planning.memory import RunSettings, rank_memory
 
 WORKER = Path(__file__).with_name("memory_worker.py")
 SEQ_LENGTH, MICRO_BATCH = 64, 2

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from moerl.launchers.stages import read_endpoints
-from moerl.rl.rollout.client import RolloutClient
+from moerl.rendezvous import read_endpoints
+from moerl.rollout.client import RolloutClient
 
 
 @contextmanager
@@ -26,13 +26,13 @@ def rollout_server(rendezvous: Path, seed: int) -> Iterator[RolloutClient]:
 
 
 def rollout_command(rendezvous: Path, seed: int, port: int = 0) -> list[str]:
-    return [sys.executable, "-m", "moerl.rl.rollout.server", "--host", "127.0.0.1",
+    return [sys.executable, "-m", "moerl.rollout.server", "--host", "127.0.0.1",
             "--port", str(port), "--seed", str(seed), "--rendezvous-dir", str(rendezvous),
             "--max-batch", "8"]
 
 
 def reward_command(rendezvous: Path, port: int = 0) -> list[str]:
-    return [sys.executable, "-m", "moerl.rl.rewards.server", "--host", "127.0.0.1",
+    return [sys.executable, "-m", "moerl.rewards.server", "--host", "127.0.0.1",
             "--port", str(port), "--max-concurrency", "2", "--rendezvous-dir", str(rendezvous),
             "--reward", "stdio=stdio", "--reward", "format=format"]
 

@@ -14,17 +14,21 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
-from moerl.checkpoint import CheckpointConfig, Checkpointer, CheckpointError, Fingerprints
+from moerl.checkpoint.checkpointer import Checkpointer
+from moerl.checkpoint.config import CheckpointConfig, CheckpointError, Fingerprints
 from moerl.data.synthetic import SyntheticCorpus
 from moerl.models.arch import TINY
 from moerl.models.build import build_model
 from moerl.parallel.groups import destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
-from moerl.trainer.lm import batch_iterators, train_lm
-from moerl.trainer.optimizer import OptimConfig, build_optimizer
+from moerl.rendezvous import request_requeue
+from moerl.trainer.config import OptimConfig
+from moerl.trainer.lm import LMRun, batch_iterators, train_lm
+from moerl.trainer.optimizer import build_optimizer
 from moerl.trainer.step import train_step
 
 OPTIM = OptimConfig(lr=1e-2)
@@ -35,7 +39,7 @@ def _layout(raw: str) -> ParallelLayout:
     return ParallelLayout.for_world(int(os.environ.get("WORLD_SIZE", "1")), **json.loads(raw))
 
 
-def train(args: argparse.Namespace) -> Any:
+def train(args: argparse.Namespace) -> LMRun:
     cfg = CheckpointConfig(**json.loads(args.ckpt)) if args.ckpt else None
     return train_lm(TINY, _layout(args.layout), OPTIM, args.steps, GLOBAL_BATCH, MICRO_BATCH,
                     SEQ, seed=args.seed, progress=True, checkpoint=cfg)
@@ -80,7 +84,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    result = train(args) if args.mode == "train" else probe(args)
+    if args.mode == "train":
+        run = train(args)
+        if run.stopped:  # checkpointed on a stop signal: exit as the entry points do
+            sys.exit(request_requeue())
+        result = run.losses
+    else:
+        result = probe(args)
     if args.out and int(os.environ.get("RANK", "0")) == 0:
         args.out.write_text(json.dumps(result))
 

@@ -21,16 +21,16 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from local_servers import rollout_server
 
+from moerl.agent.environment import Observation
+from moerl.agent.scheduler import AgentScheduler, SchedulerConfig
+from moerl.agent.tasks import SUBMIT, ScriptedPolicy, TaskCase, generate_tasks, tagged
+from moerl.agent.terminal import TerminalEnvironment
+from moerl.agent.tools import ToolCall
+from moerl.agent.trajectory import Trajectory, training_records
 from moerl.data.rl_batch import pack, plan_microbatches
 from moerl.data.tokenizer import ByteTokenizer
-from moerl.rl.agent.environment import Observation
-from moerl.rl.agent.scheduler import AgentScheduler, SchedulerConfig
-from moerl.rl.agent.tasks import SUBMIT, ScriptedPolicy, TaskCase, generate_tasks, tagged
-from moerl.rl.agent.terminal import TerminalEnvironment
-from moerl.rl.agent.tools import ToolCall
-from moerl.rl.agent.trajectory import Trajectory, training_records
-from moerl.rl.rollout.client import RolloutClient
-from moerl.rl.sandbox import Limits, Sandbox, SandboxConfig
+from moerl.rollout.client import RolloutClient
+from moerl.sandbox import Limits, Sandbox, SandboxConfig
 
 pytestmark = pytest.mark.sandbox
 TOK = ByteTokenizer()

@@ -28,10 +28,10 @@ from local_servers import rollout_server
 
 from moerl.data.rl_batch import pack, plan_microbatches
 from moerl.data.tokenizer import ByteTokenizer
-from moerl.rl.agent.collect import build_agent_collector
+from moerl.rl.agent_collect import build_agent_collector
 from moerl.rl.config import AgentTasksConfig, RLConfig
-from moerl.rl.rollout.client import RolloutClient
-from moerl.rl.sandbox import Sandbox, SandboxConfig
+from moerl.rollout.client import RolloutClient
+from moerl.sandbox import Sandbox, SandboxConfig
 
 pytestmark = pytest.mark.sandbox
 TOK = ByteTokenizer()

@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
+from moerl.agent.scheduler import AgentScheduler, SchedulerConfig
+from moerl.agent.suite import SuiteTask, all_tasks
+from moerl.agent.tasks import SUBMIT, ScriptedPolicy, tagged
+from moerl.agent.terminal import TerminalEnvironment
+from moerl.agent.trajectory import Trajectory
 from moerl.data.tokenizer import ByteTokenizer
-from moerl.rl.agent.scheduler import AgentScheduler, SchedulerConfig
-from moerl.rl.agent.suite import SuiteTask, all_tasks
-from moerl.rl.agent.tasks import SUBMIT, ScriptedPolicy, tagged
-from moerl.rl.agent.terminal import TerminalEnvironment
-from moerl.rl.agent.trajectory import Trajectory
-from moerl.rl.sandbox import Sandbox, SandboxConfig
+from moerl.sandbox import Sandbox, SandboxConfig
 
 pytestmark = pytest.mark.sandbox
 TASKS = all_tasks()

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from moerl.launchers.local import LocalLauncher, StageFailed
-from moerl.launchers.stages import ENV_RENDEZVOUS, RunPlan, StageSpec
+from moerl.launchers.stages import RunPlan, StageSpec
+from moerl.rendezvous import ENV_RENDEZVOUS
 
 PY = sys.executable
 
@@ -118,7 +119,7 @@ def test_killing_the_rollout_server_stops_the_run(tmp_path: Path) -> None:
 
 SERVER = """
 import http.server, os, sys
-from moerl.launchers.stages import announce_from_env
+from moerl.rendezvous import announce_from_env
 
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):

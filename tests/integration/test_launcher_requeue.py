@@ -13,13 +13,14 @@ import sys
 from pathlib import Path
 
 from moerl.launchers.local import LocalLauncher
-from moerl.launchers.stages import REQUEUE_EXIT_CODE, RunPlan, StageSpec
+from moerl.launchers.stages import RunPlan, StageSpec
+from moerl.rendezvous import REQUEUE_EXIT_CODE
 
 PY = sys.executable
 
 RANK_STOPPING_ON_USR1 = """
 import signal, sys, time
-from moerl.launchers.stages import request_requeue
+from moerl.rendezvous import request_requeue
 got = []
 signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
 open(sys.argv[1], "w").write("ready")

@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 import pytest
 
-from moerl.checkpointing.manifest import write_manifest
+from moerl.checkpoint.manifest import write_manifest
 
 WORKER = Path(__file__).with_name("resume_worker.py")
 STEPS = 6

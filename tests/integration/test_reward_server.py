@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from moerl.rl.rewards.client import RewardClient, RewardClientConfig, ScoreItem, discover
-from moerl.rl.rewards.protocol import RewardResult
-from moerl.rl.sandbox import Sandbox
+from moerl.rewards.client import RewardClient, RewardClientConfig, ScoreItem, discover
+from moerl.rewards.protocol import RewardResult
+from moerl.sandbox import Sandbox
 
 pytestmark = pytest.mark.sandbox
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +51,7 @@ def server(
         pytest.skip("bubblewrap is not installed")
     rendezvous = tmp_path_factory.mktemp("rendezvous")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moerl.rl.rewards.server", "--host", "127.0.0.1", "--port", "0",
+        [sys.executable, "-m", "moerl.rewards.server", "--host", "127.0.0.1", "--port", "0",
          "--max-concurrency", "2", "--rendezvous-dir", str(rendezvous),
          "--reward", "humaneval=humaneval", "--reward", "stdio=stdio",
          "--reward", "math=math", "--reward", "format=format",

@@ -29,7 +29,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_rl_data import comment_tasks
 
-from moerl.launchers.stages import REQUEUE_EXIT_CODE
+from moerl.rendezvous import REQUEUE_EXIT_CODE
 
 STEPS = 4
 RUN = [

@@ -23,9 +23,9 @@ import pytest
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from moerl.launchers.stages import read_endpoints
-from moerl.rl.rollout.client import RolloutClient, discover
-from moerl.rl.rollout.types import SamplingParams
+from moerl.rendezvous import read_endpoints
+from moerl.rollout.client import RolloutClient, discover
+from moerl.rollout.types import SamplingParams
 
 SEED = 77
 PROMPT = list(b"The answer is")
@@ -74,7 +74,7 @@ def servers(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "moerl.rl.rollout.server", "--port", "0", "--seed", str(SEED),
+            [sys.executable, "-m", "moerl.rollout.server", "--port", "0", "--seed", str(SEED),
              "--rendezvous-dir", str(rendezvous), "--index", str(i), "--max-batch", "8"],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )

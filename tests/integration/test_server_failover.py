@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from local_servers import reward_command, rollout_command, started
 
 from moerl.launchers.local import free_port
-from moerl.rl.rewards.client import RewardClient, RewardClientConfig, ScoreItem
-from moerl.rl.rollout.client import ClientConfig, RolloutClient, RolloutUnavailable
-from moerl.rl.rollout.types import SamplingParams
+from moerl.rewards.client import RewardClient, RewardClientConfig, ScoreItem
+from moerl.rollout.client import ClientConfig, RolloutClient, RolloutUnavailable
+from moerl.rollout.types import SamplingParams
 
 SEED = 5
 PROMPTS = [[256, *b"def f(x):"], [256, *b"print("], [256, *b"# sum"], [256, *b"x = ["]] * 3

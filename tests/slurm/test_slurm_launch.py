@@ -35,7 +35,7 @@ PY = sys.executable
 
 SERVER = """
 import http.server, json, os, sys
-from moerl.launchers.stages import announce_from_env
+from moerl.rendezvous import announce_from_env
 
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -52,7 +52,7 @@ server.serve_forever()
 
 CLIENT = """
 import json, os, sys, httpx
-from moerl.launchers.stages import discover
+from moerl.rendezvous import discover
 found = discover(os.environ["MOERL_RENDEZVOUS_DIR"], "reward", 2, timeout=30)
 codes = [httpx.get(f"http://{e}/health", trust_env=False).status_code for e in found]
 keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "CUDA_VISIBLE_DEVICES")
@@ -69,7 +69,7 @@ attempt = os.environ.get("SLURM_RESTART_COUNT", "0")
 def checkpoint_and_requeue(signum, frame):
     (out / f"checkpoint.{attempt}").write_text("saved")
     if sys.argv[2] == "marker":
-        from moerl.launchers.stages import request_requeue
+        from moerl.rendezvous import request_requeue
         sys.exit(request_requeue())
     sys.exit(85)
 

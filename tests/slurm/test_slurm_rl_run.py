@@ -26,8 +26,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from tiny_rl_data import comment_tasks
 
-from moerl.checkpointing.store import complete_checkpoints, read_latest, step_name, step_of
-from moerl.launchers.stages import REQUEUE_EXIT_CODE
+from moerl.checkpoint.store import complete_checkpoints, read_latest, step_name, step_of
+from moerl.rendezvous import REQUEUE_EXIT_CODE
 
 if TYPE_CHECKING:
     from conftest import SlurmCluster

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from moerl.rl.sandbox import Limits, Sandbox, SandboxConfig
+from moerl.sandbox import Limits, Sandbox, SandboxConfig
 
 if TYPE_CHECKING:
     from moerl.parallel.groups import ParallelGroups

@@ -13,12 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from moerl.checkpoint import CheckpointConfig, Checkpointer, CheckpointError, Fingerprints
-from moerl.checkpointing.config import check_json, fingerprint
-from moerl.checkpointing.manifest import MANIFEST, verify_manifest, write_manifest
-from moerl.checkpointing.rng import capture_rng, restore_rng
-from moerl.checkpointing.sharded import check_optimizer_compatible
-from moerl.checkpointing.store import (
+from moerl.checkpoint.checkpointer import Checkpointer
+from moerl.checkpoint.config import (
+    CheckpointConfig,
+    CheckpointError,
+    Fingerprints,
+    check_json,
+    fingerprint,
+)
+from moerl.checkpoint.manifest import MANIFEST, verify_manifest, write_manifest
+from moerl.checkpoint.rng import capture_rng, restore_rng
+from moerl.checkpoint.sharded import check_optimizer_compatible
+from moerl.checkpoint.store import (
     cleanup,
     complete_checkpoints,
     partial_dir,
@@ -212,7 +218,7 @@ def test_materialized_adam_state_is_the_state_a_first_step_starts_from() -> None
     the next real step must then equal a fresh optimizer's first step exactly."""
     from types import SimpleNamespace
 
-    from moerl.checkpointing.sharded import _materialize_adam_state
+    from moerl.checkpoint.sharded import _materialize_adam_state
 
     torch.manual_seed(0)
     start, grad = torch.randn(5, 3), torch.randn(5, 3)

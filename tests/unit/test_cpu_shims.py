@@ -127,3 +127,31 @@ def test_synchronize() -> None:
     with shim_disabled("synchronize"), pytest.raises(RuntimeError):
         torch.cuda.synchronize()
     torch.cuda.synchronize()
+
+
+def test_optimizer_state_gather() -> None:
+    from moerl.checkpoint.sharded import OPTIM_METADATA
+    from moerl.models.arch import TINY
+    from moerl.models.build import build_model
+    from moerl.models.weights import sharded_model_state
+    from moerl.parallel.layout import ParallelLayout
+    from moerl.trainer.config import OptimConfig
+    from moerl.trainer.optimizer import build_optimizer
+
+    # A checkpoint of the distributed optimizer's state gathers it over the
+    # data-parallel group after a `.cuda()` of each shard.
+    layout = ParallelLayout(use_distributed_optimizer=True)
+    trainable = build_optimizer(build_model(TINY.replace(num_layers=1), layout),
+                                OptimConfig(), layout)
+    for param in trainable.optimizer.get_parameters():
+        param.grad = torch.zeros_like(param)
+    trainable.optimizer.step()
+
+    def state() -> object:
+        model = sharded_model_state(list(trainable.model))
+        return trainable.optimizer.sharded_state_dict(model, metadata=OPTIM_METADATA)
+
+    with shim_disabled("optimizer_state_gather"), pytest.raises(
+            (RuntimeError, AssertionError, torch.AcceleratorError)):
+        state()
+    assert state()

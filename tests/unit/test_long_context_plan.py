@@ -14,10 +14,10 @@ import yaml
 
 from moerl.launchers.recipes import REPO
 from moerl.models.arch import get_preset
-from moerl.parallel.cost import ClusterSpec
-from moerl.parallel.memory import RunSettings
-from moerl.parallel.plan import PlanResult, SearchSettings, search_layouts
-from moerl.parallel.rollout_fit import RolloutSettings, rollout_options
+from moerl.planning.cost import ClusterSpec
+from moerl.planning.memory import RunSettings
+from moerl.planning.plan import PlanResult, SearchSettings, search_layouts
+from moerl.planning.rollout_fit import RolloutSettings, rollout_options
 
 K = 1024
 LENGTHS = (128 * K, 256 * K, 1024 * K)

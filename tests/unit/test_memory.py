@@ -9,9 +9,9 @@ import pytest
 
 from moerl.models.arch import DEEPSEEK_V3, KIMI_K2, TINY, MoEArch
 from moerl.models.count import count_params
-from moerl.parallel.activations import layer_activation_bytes
 from moerl.parallel.layout import ParallelLayout, uneven_split
-from moerl.parallel.memory import (
+from moerl.planning.activations import layer_activation_bytes
+from moerl.planning.memory import (
     GiB,
     RunSettings,
     dispatch_bytes,
@@ -19,7 +19,7 @@ from moerl.parallel.memory import (
     memory_breakdown,
     rank_memory,
 )
-from moerl.parallel.stages import stage_chunks, stage_params
+from moerl.planning.stages import stage_chunks, stage_params
 
 LAYOUTS = [
     ParallelLayout(tp=1, pp=1, ep=1, dp=8),

@@ -8,12 +8,12 @@ import pytest
 
 from moerl.launchers.cli import main
 from moerl.models.arch import DEEPSEEK_V3, KIMI_K2, TINY
-from moerl.parallel.cost import ClusterSpec, stage_imbalance, step_time
 from moerl.parallel.layout import ParallelLayout
-from moerl.parallel.memory import GiB, RunSettings
-from moerl.parallel.plan import Candidate, SearchSettings, check_layout, judge, plan
-from moerl.parallel.plan_report import load_plan_config
-from moerl.parallel.rollout_fit import RolloutSettings, rollout_options
+from moerl.planning.cost import ClusterSpec, stage_imbalance, step_time
+from moerl.planning.memory import GiB, RunSettings
+from moerl.planning.plan import Candidate, SearchSettings, check_layout, judge, plan
+from moerl.planning.report import load_plan_config
+from moerl.planning.rollout_fit import RolloutSettings, rollout_options
 from moerl.typed_config import ConfigError
 
 SEARCH = SearchSettings()

@@ -21,7 +21,7 @@ from moerl.models.arch import TINY
 from moerl.models.packed_mtp import roll_within_documents
 from moerl.models.weights import unwrap_model
 from moerl.parallel.groups import ParallelGroups
-from moerl.rl.config import SFTConfig
+from moerl.trainer.config import SFTConfig
 from moerl.trainer.optimizer import Trainable
 from moerl.trainer.sft import build_sft_trainable
 from moerl.trainer.step import StepMetrics, train_step

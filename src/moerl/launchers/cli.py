@@ -24,7 +24,7 @@ import sys
 import warnings
 from collections.abc import Callable
 
-from moerl.checkpointing.config import CheckpointError
+from moerl.checkpoint.config import CheckpointError
 from moerl.models.arch import ArchError
 from moerl.parallel.layout import LayoutError
 from moerl.typed_config import ConfigError
@@ -62,7 +62,7 @@ def _model_info(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
-    from moerl.parallel.plan import plan_main
+    from moerl.launchers.plan_cli import plan_main
 
     return plan_main(overrides, as_json=args.json)
 
@@ -109,23 +109,23 @@ def _trainer(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _hf(args: argparse.Namespace, overrides: list[str]) -> int:
-    from moerl.models.hf import hf_main
+    from moerl.launchers.hf_cli import hf_main
 
     return hf_main([args.direction, *overrides])
 
 
 def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.service == "reward":
-        from moerl.rl.rewards.server import main as serve_reward
+        from moerl.rewards.server import main as serve_reward
 
         return serve_reward(overrides)
-    from moerl.rl.rollout.server import main as serve_rollout
+    from moerl.rollout.server import main as serve_rollout
 
     return serve_rollout(overrides)
 
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
-    from moerl.rl.agent.evaluate import main as eval_agent
+    from moerl.agent.evaluate import main as eval_agent
 
     return eval_agent(args.options)
 
@@ -141,11 +141,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the default post-training demo: SFT then GRPO, tiny MoE")
-    demo.add_argument("--dry-run", action="store_true", help="print the SLURM script only")
+    demo.add_argument("--dry-run", action="store_true",
+                      help="print what would start (SLURM script or local commands), start nothing")
     demo.set_defaults(handler=_demo)
     train = sub.add_parser("train", help="an RL run: reward and rollout servers, trainer")
     train.add_argument("--dry-run", action="store_true",
-                       help="with launcher.kind=slurm: print the sbatch script, submit nothing")
+                       help="print the sbatch script (launcher=slurm) or the local stage "
+                       "commands; start and submit nothing")
     train.set_defaults(handler=_train)
     sft = sub.add_parser("sft", help="supervised fine-tuning; its weights start an RL run")
     sft.set_defaults(handler=_sft)

@@ -6,11 +6,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from moerl.checkpoint import CheckpointConfig
+from moerl.checkpoint.config import CheckpointConfig
 from moerl.config import compose
 from moerl.models.arch import MoEArch
 from moerl.parallel.layout import ParallelLayout
-from moerl.trainer.optimizer import OptimConfig
+from moerl.rendezvous import request_requeue
+from moerl.trainer.config import OptimConfig
 from moerl.typed_config import ConfigError, from_dict
 
 
@@ -55,7 +56,7 @@ def check_layout_at_start(arch: MoEArch, layout: ParallelLayout, world: int | No
     """Every layout rule, before any process group or model exists."""
     import torch
 
-    from moerl.models.build import te_available
+    from moerl.models.features import te_available
 
     world = world or int(os.environ.get("WORLD_SIZE", "1"))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -94,11 +95,12 @@ def run_lm(overrides: list[str]) -> int:
     from moerl.trainer.lm import train_lm
 
     cfg = load_lm_config(overrides)
-    losses = train_lm(
+    run = train_lm(
         cfg.model, cfg.parallel, cfg.optim, cfg.train.steps, cfg.train.global_batch,
         cfg.train.micro_batch, cfg.train.seq_length, seed=cfg.train.seed,
         checkpoint=cfg.checkpoint,
     )
+    losses = run.losses
     if int(os.environ.get("RANK", "0")) == 0 and losses:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
-    return 0
+    return request_requeue() if run.stopped else 0

@@ -41,7 +41,8 @@ from moerl.launchers.proctree import (
     signal_group,
     still_running,
 )
-from moerl.launchers.stages import (
+from moerl.launchers.stages import RunPlan, StageSpec
+from moerl.rendezvous import (
     ENV_HOST,
     ENV_INDEX,
     ENV_PORT,
@@ -49,8 +50,6 @@ from moerl.launchers.stages import (
     ENV_STAGE,
     REQUEUE_EXIT_CODE,
     REQUEUE_MARKER,
-    RunPlan,
-    StageSpec,
     discover,
     wait_healthy,
 )

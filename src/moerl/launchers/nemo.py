@@ -40,15 +40,8 @@ from types import ModuleType
 from typing import Any
 
 from moerl.launchers.slurm import DEFAULT_PORTS, SlurmConfig, _resources, step_command
-from moerl.launchers.stages import (
-    ENV_HOST,
-    ENV_INDEX,
-    ENV_PORT,
-    ENV_RENDEZVOUS,
-    ENV_STAGE,
-    RunPlan,
-    StageSpec,
-)
+from moerl.launchers.stages import RunPlan, StageSpec
+from moerl.rendezvous import ENV_HOST, ENV_INDEX, ENV_PORT, ENV_RENDEZVOUS, ENV_STAGE
 
 NEMO_ORDER = ("reward", "rollout", "trainer")  # servers first: steps start in this order
 

@@ -6,58 +6,12 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
+from moerl.config import LaunchConfig
 from moerl.launchers.stages import RunPlan, StageSpec
-from moerl.rl.rollout.backends import check_engine, engine_argv, launch_env
-
-
-@dataclass
-class RolloutStageConfig:
-    """The `rollout` group: the generation servers."""
-
-    servers: int = 1
-    max_batch: int = 64  # rows (prompt x sample) per engine call
-    backend: Literal["auto", "static", "dynamic"] = "auto"
-    nodes: int = 1
-    gpus_per_node: int = 0
-    request_timeout_s: float = 600.0
-    speculative: Literal["none", "ngram", "mtp"] = "none"  # draft-and-verify decoding
-    num_draft_tokens: int = 4
-    engine: str = "moerl"  # moerl | vllm | sglang (see rl.rollout.backends)
-    # vllm / sglang only: they serve Hugging Face weights (`moerl hf export`).
-    hf_model_dir: str | None = None
-    tensor_parallel: int = 1
-    expert_parallel: int = 1
-    dtype: str = "bfloat16"
-    max_model_len: int | None = None
-    served_model_name: str | None = None
-    gpu_memory_utilization: float = 0.85
-
-
-@dataclass
-class RewardStageConfig:
-    """The `rewards` group: the reward servers and how the trainer calls them."""
-
-    servers: int = 1
-    max_concurrency: int = 2  # sandboxed executions at once per server
-    isolation: Literal["strict", "no-cgroups"] = "strict"
-    batch_size: int = 64
-    timeout_s: float = 300.0
-    nodes: int = 1
-    cpus: int = 2
-
-
-@dataclass
-class LaunchConfig:
-    """The `launcher` group."""
-
-    kind: Literal["local", "slurm"] = "local"
-    trainer_ranks: int = 1  # torchrun processes per trainer node
-    trainer_nodes: int = 1
-    gpus_per_node: int = 0
-    startup_timeout_s: float = 300.0
-    python: str | None = None  # the interpreter every stage runs; None: this one
+from moerl.rewards.config import RewardStageConfig
+from moerl.rollout.backends import check_engine, engine_argv, launch_env
+from moerl.rollout.config import RolloutStageConfig
 
 
 def _cli(cfg: LaunchConfig, *args: str) -> tuple[str, ...]:
@@ -95,7 +49,7 @@ def build_run_plan(
     else:
         # The wrapper announces the engine in the rendezvous dir once it is healthy.
         python = launch.python or sys.executable
-        rollout_command = (python, "-m", "moerl.rl.rollout.backends", "--",
+        rollout_command = (python, "-m", "moerl.rollout.backends", "--",
                            *engine_argv(rollout, python))
     rollout_stage = StageSpec(
         name="rollout",

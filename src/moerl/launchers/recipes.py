@@ -25,7 +25,8 @@ from typing import Any
 
 import yaml
 
-from moerl.launchers.cluster import ClusterConfig, slurm_config, with_cluster_ports
+from moerl.config import ClusterConfig
+from moerl.launchers.cluster import slurm_config, with_cluster_ports
 from moerl.launchers.slurm import SlurmConfig, render_sbatch
 from moerl.launchers.stages import RunPlan, StageSpec
 from moerl.typed_config import ConfigError, from_dict

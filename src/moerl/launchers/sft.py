@@ -12,13 +12,13 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moerl.checkpoint import CheckpointConfig
+from moerl.checkpoint.config import CheckpointConfig
 from moerl.config import check_init_weights
 from moerl.data.prompts import DataConfig
 from moerl.launchers.lm import load_with_layout
 from moerl.models.arch import MoEArch
 from moerl.parallel.layout import ParallelLayout
-from moerl.rl.config import SFTConfig
+from moerl.trainer.config import SFTConfig
 from moerl.typed_config import ConfigError
 
 
@@ -51,12 +51,14 @@ def load_sft_config(overrides: list[str]) -> SFTRunConfig:
 def run_sft_command(overrides: list[str]) -> int:
     from rich.console import Console
 
-    from moerl.checkpoint import Checkpointer, Fingerprints
+    from moerl.checkpoint.checkpointer import Checkpointer
+    from moerl.checkpoint.config import Fingerprints
     from moerl.data.prompts import load_prompts
     from moerl.data.sft import instruction_examples
     from moerl.data.tokenizer import ByteTokenizer
     from moerl.models.weights import save_weights
     from moerl.parallel.groups import destroy_parallel, init_parallel
+    from moerl.rendezvous import request_requeue
     from moerl.signals import STOP_SIGNALS, StopOnSignal
     from moerl.trainer.sft import build_sft_trainable, run_sft, sft_optim
     from moerl.trainer.step import StepMetrics
@@ -75,17 +77,22 @@ def run_sft_command(overrides: list[str]) -> int:
             ckpt = Checkpointer(cfg.checkpoint, Fingerprints.of(cfg.model, examples, run))
         resumed = ckpt.load(trainable, require=("data",)) if ckpt else None
         start = resumed.step if resumed else 0
+        stopped = False
         with StopOnSignal(STOP_SIGNALS if ckpt else ()) as stop:
-            def after(step: int, metrics: StepMetrics) -> None:
+            def after(step: int, metrics: StepMetrics) -> bool:
+                nonlocal stopped
                 if ckpt is not None:
                     done = step + 1
-                    ckpt.end_of_step(done, trainable, {"data": {"next_step": done}}, stop,
-                                     done == cfg.sft.steps)
+                    stopped = ckpt.end_of_step(done, trainable, {"data": {"next_step": done}},
+                                               stop, done == cfg.sft.steps)
+                return stopped
 
             losses = run_sft(trainable, groups, examples, cfg.sft, tok.pad_id, on_step=after,
                              start_step=start)
         if ckpt is not None:
             ckpt.close()
+        if stopped:  # checkpointed on SIGTERM/SIGUSR1: the same command continues
+            return request_requeue()
         weights = out / "weights"
         if groups.rank == 0:
             shutil.rmtree(weights, ignore_errors=True)

@@ -26,21 +26,14 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from moerl.config import MEM_PER_CPU
 from moerl.launchers.slurm_shell import FINISH, FUNCTIONS, PREAMBLE
-from moerl.launchers.stages import (
-    ENV_HOST,
-    ENV_INDEX,
-    ENV_PORT,
-    ENV_STAGE,
-    REQUEUE_EXIT_CODE,
-    RunPlan,
-    StageSpec,
-)
+from moerl.launchers.stages import RunPlan, StageSpec
+from moerl.rendezvous import ENV_HOST, ENV_INDEX, ENV_PORT, ENV_STAGE, REQUEUE_EXIT_CODE
 
 DEFAULT_PORTS = {"rollout": 8000, "reward": 8100}
 _GROUP_ORDER = ("trainer", "rollout", "reward")
 _TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-_MEM = re.compile(r"^\d+[KMGT]?$")
 _PLACEHOLDER_VARS = {"{host}": ENV_HOST, "{port}": ENV_PORT, "{index}": ENV_INDEX}
 
 
@@ -74,7 +67,7 @@ class SlurmConfig:
     grace: int = 30
 
     def __post_init__(self) -> None:
-        if self.mem_per_cpu is not None and not _MEM.match(self.mem_per_cpu):
+        if self.mem_per_cpu is not None and not MEM_PER_CPU.match(self.mem_per_cpu):
             raise ValueError(f"mem_per_cpu={self.mem_per_cpu!r}: expected e.g. 4000, 4G")
         unknown = set(self.partitions) - set(_GROUP_ORDER)
         if unknown:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -19,7 +20,8 @@ from rich.console import Console
 
 from moerl.config import RunConfig, config_dir, load_run_config
 from moerl.launchers.plan import RunLayout, build_run_plan
-from moerl.launchers.stages import REQUEUE_EXIT_CODE
+from moerl.launchers.stages import RunPlan
+from moerl.rendezvous import REQUEUE_EXIT_CODE
 from moerl.typed_config import to_dict
 
 
@@ -47,6 +49,9 @@ def run_train(overrides: list[str], dry_run: bool = False) -> int:
         from moerl.launchers.slurm_run import run_on_slurm
 
         return run_on_slurm(plan, cfg, root.name, dry_run, console)
+    if dry_run:  # what would start here, and nothing more
+        _print_local_plan(plan, console)
+        return 0
     from moerl.launchers.local import LocalLauncher, StageFailed
 
     launcher = LocalLauncher(plan, startup_timeout=cfg.launcher.startup_timeout_s, echo=True)
@@ -66,6 +71,17 @@ def run_train(overrides: list[str], dry_run: bool = False) -> int:
         console.print(f"the trainer stage exited with {code}; logs in {plan.log_dir}",
                       style="red", markup=False)
     return code
+
+
+def _print_local_plan(plan: RunPlan, console: Console) -> None:
+    """Each stage's processes and command line, as the local launcher would start them."""
+    for stage in (*plan.servers, plan.trainer):
+        count = (f"torchrun x {stage.ranks_per_node}" if stage.name == "trainer"
+                 else f"{stage.replicas} process(es)")
+        console.print(f"{stage.name} ({count}): {shlex.join(stage.command)}",
+                      markup=False, soft_wrap=True)
+    console.print(f"rendezvous: {plan.rendezvous_dir}  logs: {plan.log_dir}",
+                  markup=False, soft_wrap=True)
 
 
 def run_trainer(overrides: list[str]) -> int:

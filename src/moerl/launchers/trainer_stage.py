@@ -13,24 +13,25 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from moerl.checkpoint import Fingerprints
-from moerl.checkpointing.collective import barrier
+from moerl.checkpoint.collective import barrier
+from moerl.checkpoint.config import Fingerprints
 from moerl.config import RunConfig
 from moerl.data.prompts import PromptRecord, PromptStream, load_prompts
 from moerl.data.sft import instruction_examples
 from moerl.data.tokenizer import ByteTokenizer
 from moerl.launchers.plan import RunLayout
-from moerl.launchers.stages import ENV_RENDEZVOUS
 from moerl.models.weights import save_weights
 from moerl.observability import MetricsLogger, read_metrics
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
+from moerl.rendezvous import ENV_RENDEZVOUS, request_requeue
+from moerl.rewards.client import RewardClient, RewardClientConfig
+from moerl.rl.config import PolicyConfig
 from moerl.rl.loop import Controller, train
 from moerl.rl.losses import build_objective, objective_config_class
-from moerl.rl.policy import Policy, PolicyConfig
+from moerl.rl.policy import Policy
 from moerl.rl.resume import RLCheckpoints
-from moerl.rl.rewards.client import RewardClient, RewardClientConfig
-from moerl.rl.rollout.client import ClientConfig, RolloutClient
 from moerl.rl.weight_sync import build_weight_sync
+from moerl.rollout.client import ClientConfig, RolloutClient
 from moerl.signals import STOP_SIGNALS, StopOnSignal
 from moerl.trainer.sft import build_sft_trainable, run_sft
 from moerl.typed_config import from_dict, to_dict
@@ -92,17 +93,18 @@ def _checkpoints(cfg: RunConfig, records: list[PromptRecord],
 
 def trainer_main(cfg: RunConfig, dirs: RunLayout) -> int:
     """SFT (unless resuming), then RL. With checkpoints, SIGTERM/SIGUSR1 (even during
-    set-up) end the run after the next RL step: checkpoint, then SystemExit(85)."""
+    set-up) end the run after the next RL step: checkpoint, then the requeue code."""
     groups = init_parallel(cfg.parallel, seed=cfg.rl.seed)
     try:
         with StopOnSignal(STOP_SIGNALS if cfg.checkpoint.enabled else ()) as stop:
-            _run(cfg, dirs, groups, stop)
-        return 0
+            stopped = _run(cfg, dirs, groups, stop)
+        return request_requeue() if stopped else 0
     finally:
         destroy_parallel()
 
 
-def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSignal) -> None:
+def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSignal) -> bool:
+    """True when a stop signal ended the run (checkpointed) before its last step."""
     tok = ByteTokenizer(cfg.model.vocab_size)
     records, held_out, _ = load_prompts(cfg.data)
     ckpt = _checkpoints(cfg, records, held_out)
@@ -125,7 +127,7 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
             ctl.prompts.restore(state.prompts, strict=not cfg.checkpoint.allow_changed_data)
         ctl.logger.drop_from(start)  # rows a killed attempt logged after its checkpoint
         if cfg.rl.task_source == "agent":  # terminal episodes, not prompts
-            from moerl.rl.agent.collect import build_agent_collector
+            from moerl.rl.agent_collect import build_agent_collector
 
             ctl.collector = build_agent_collector(cfg.rl, cfg.model.max_position_embeddings,
                                                   tok)
@@ -139,10 +141,13 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
                              hf_model_dir=cfg.rollout.hf_model_dir, dtype=cfg.rollout.dtype)
     sync.push(policy, start)  # the servers start from the trainer's (resumed) weights
     on_step_end = ckpt.step_end_hook(policy, stop, cfg.rl.steps) if ckpt else None
-    train(cfg.rl, policy, sync, ctl, start_step=start, on_step_end=on_step_end)
+    stopped = train(cfg.rl, policy, sync, ctl, start_step=start, on_step_end=on_step_end)
     if ckpt is not None:
         ckpt.close()
+    if stopped:
+        return True
     if ctl is not None:
         plot = ctl.logger.close(("reward/mean", "eval/pass_rate"))
         Console().print(summary_table(ctl.logger.path))
         Console().print(f"metrics: {ctl.logger.path}" + (f"  plot: {plot}" if plot else ""))
+    return False

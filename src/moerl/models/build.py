@@ -8,7 +8,6 @@ groups must already exist (`parallel.groups.init_parallel`).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Any, Literal
 
@@ -25,6 +24,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from moerl.models import packed_mtp
 from moerl.models.arch import MoEArch
+from moerl.models.features import te_available
 from moerl.models.mla_local import MLADotProductAttention, TPExactMLASelfAttention
 from moerl.models.ring_attention import ring_attention_spec_patch
 from moerl.parallel.layout import ParallelLayout
@@ -35,11 +35,6 @@ FP8_RECIPES: tuple[str, ...] = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
 class BuildError(ValueError):
     """A model that cannot be built here; the message names the feature and why."""
-
-
-def te_available() -> bool:
-    """Transformer Engine importable and a GPU present (TE has no CPU path)."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
 def _check_features(te: bool, fp8: str | None) -> None:

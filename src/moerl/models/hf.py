@@ -18,9 +18,7 @@ not import without Transformer Engine, which does not install on CPU machines.
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -258,69 +256,3 @@ def export_hf(chunks: list[torch.nn.Module], arch: MoEArch, out_dir: str | Path,
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if dist.is_initialized():
         dist.barrier()
-
-
-def _parse_overrides(items: list[str]) -> tuple[ParallelLayout, dict[str, str]]:
-    from moerl.typed_config import from_dict
-
-    parallel: dict[str, Any] = {}
-    other: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise HFError(f"expected key=value, got {item!r}")
-        key = key.removeprefix("parallel.")
-        if key in ParallelLayout.__dataclass_fields__:
-            parallel[key] = json.loads(value) if value not in ("", "null") else None
-        else:
-            other[key] = value
-    layout = from_dict(ParallelLayout, parallel, "parallel")
-    if "WORLD_SIZE" in os.environ:  # under torchrun: data parallel takes the other ranks
-        world = int(os.environ["WORLD_SIZE"])
-        layout.dp = max(world // (layout.tp * layout.pp * layout.cp), 1)
-    return layout, other
-
-
-_USAGE = """usage:
-  moerl hf import <hf_dir> <megatron_weights_dir> [tp=N pp=N ep=N ...]
-  moerl hf export <megatron_weights_dir> <hf_out_dir> [model=<preset|hf_dir>] [dtype=bfloat16]
-Run under torchrun for a layout with more than one rank."""
-
-
-def hf_main(argv: list[str]) -> int:
-    """`moerl hf import|export ...`; returns the exit code."""
-    from moerl.models.arch import get_preset
-    from moerl.models.weights import load_weights, save_weights
-    from moerl.parallel.groups import destroy_parallel, init_parallel
-
-    if len(argv) < 3 or argv[0] not in ("import", "export"):
-        print(_USAGE, file=sys.stderr)
-        return 2
-    command, src, dst = argv[:3]
-    layout, other = _parse_overrides(argv[3:])
-    init_parallel(layout)
-    try:
-        if command == "import":
-            arch, chunks = import_hf(src, layout)
-            save_weights(chunks, dst)
-            if dist.get_rank() == 0:  # what export needs: the arch as imported (MTP or not)
-                config = hf_config_from_arch(arch, HFCheckpoint(src).config)
-                (Path(dst) / HF_CONFIG_COPY).write_text(json.dumps(config, indent=2))
-            print(f"imported {arch.name} ({arch.num_layers} layers) into {dst}")
-            return 0
-        model = other.get("model", str(Path(src) / HF_CONFIG_COPY))
-        base: dict[str, Any] | None = None
-        if Path(model).is_dir() or Path(model).is_file():
-            path = Path(model) / "config.json" if Path(model).is_dir() else Path(model)
-            base = json.loads(path.read_text())
-            arch = arch_from_hf_config(base)
-        else:
-            arch = get_preset(model)
-        chunks = list(build_model(arch, layout, qk_layernorm=True))
-        load_weights(chunks, src)
-        dtype = getattr(torch, other["dtype"]) if "dtype" in other else None
-        export_hf(chunks, arch, dst, base_config=base, dtype=dtype)
-        print(f"exported {arch.name} to {dst}")
-        return 0
-    finally:
-        destroy_parallel()

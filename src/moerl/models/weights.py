@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-_MARKER = "moerl_weights_complete"
+from moerl.models.weights_marker import MARKER as _MARKER
+from moerl.models.weights_marker import is_complete
 
 
 class WeightsError(RuntimeError):
@@ -69,10 +70,6 @@ def save_weights(chunks: list[torch.nn.Module], directory: str | Path) -> Path:
         os.replace(tmp, final)
     _barrier()
     return final
-
-
-def is_complete(directory: str | Path) -> bool:
-    return (Path(directory) / _MARKER).is_file()
 
 
 def load_weights(chunks: list[torch.nn.Module], directory: str | Path) -> None:

@@ -247,6 +247,17 @@ def shim_embedding_sync() -> None:
     _set(LanguageModule, "setup_embeddings_and_output_layer", _with_tensor_cuda_as_noop(setup))
 
 
+def shim_optimizer_state_gather() -> None:
+    """The distributed optimizer gathers its state over data-parallel ranks for a
+    checkpoint (`get_parameter_state_dp_zero`, reached from `sharded_state_dict`)
+    with `send_tensor.cuda()` before the gather; gloo gathers the CPU tensor as it
+    is, so run that with `.cuda()` as a no-op."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    gather = DistributedOptimizer.get_parameter_state_dp_zero
+    _set(DistributedOptimizer, "get_parameter_state_dp_zero", _with_tensor_cuda_as_noop(gather))
+
+
 def shim_synchronize() -> None:
     """Batched pipeline p2p calls `torch.cuda.synchronize()` after its sends and
     receives (a guard for NCCL); gloo's waits already completed them, so on CPU it
@@ -298,6 +309,7 @@ def shim_cp_rotary_split() -> None:
 SHIMS: dict[str, Callable[[], None]] = {
     "cp_rotary_split": shim_cp_rotary_split,
     "embedding_sync": shim_embedding_sync,
+    "optimizer_state_gather": shim_optimizer_state_gather,
     "norm_sequence_parallel": shim_norm_sequence_parallel,
     "cuda_device_strings": shim_cuda_device_strings,
     "cuda_type_checks": shim_cuda_type_checks,

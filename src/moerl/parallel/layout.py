@@ -9,8 +9,33 @@ a message naming the field and the fix, before any process group exists.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
-from moerl.models.arch import MoEArch
+
+class ModelShape(Protocol):
+    """What a layout's rules read of a model (`moerl.models.arch.MoEArch` is one).
+
+    A protocol rather than the class: `parallel` sits below `models`, which builds
+    models for a layout."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def moe_ffn_hidden_size(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def attention(self) -> Literal["mla", "gqa"]: ...
+    @property
+    def num_query_groups(self) -> int | None: ...
+    @property
+    def ffn_hidden_size(self) -> int: ...
+    @property
+    def shared_expert_ffn_hidden_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
 
 
 class LayoutError(ValueError):
@@ -99,7 +124,7 @@ class ParallelLayout:
 
     def check(
         self,
-        arch: MoEArch,
+        arch: ModelShape,
         world_size: int | None = None,
         backend: str = "gloo",
         te_available: bool = False,
@@ -131,7 +156,7 @@ def _check_degrees(layout: ParallelLayout) -> None:
         )
 
 
-def _check_experts(layout: ParallelLayout, arch: MoEArch) -> None:
+def _check_experts(layout: ParallelLayout, arch: ModelShape) -> None:
     if arch.num_experts % layout.ep:
         raise LayoutError(
             f"parallel.ep: {arch.num_experts} experts cannot be split evenly over ep="
@@ -163,7 +188,7 @@ def uneven_split(num_layers: int, chunks: int) -> list[int]:
     return sizes
 
 
-def _check_pipeline(layout: ParallelLayout, arch: MoEArch, backend: str) -> None:
+def _check_pipeline(layout: ParallelLayout, arch: ModelShape, backend: str) -> None:
     stages = layout.pp * layout.virtual_stages
     if layout.vpp is not None and layout.pp < 2:
         raise LayoutError("parallel.vpp: virtual stages need pp >= 2; set parallel.vpp=null")
@@ -188,7 +213,7 @@ def _check_pipeline(layout: ParallelLayout, arch: MoEArch, backend: str) -> None
         )
 
 
-def _check_tensor(layout: ParallelLayout, arch: MoEArch) -> None:
+def _check_tensor(layout: ParallelLayout, arch: ModelShape) -> None:
     tp = layout.tp
     if arch.num_attention_heads % tp:
         raise LayoutError(

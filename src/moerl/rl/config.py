@@ -1,14 +1,11 @@
-"""Typed configs of the RL loop (`rl` and `sft` groups)."""
+"""Typed configs of the RL loop: the `rl` group, and the policy update (PolicyConfig)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from moerl.rl.rollout.types import SamplingParams
-
-if TYPE_CHECKING:
-    from moerl.parallel.layout import ParallelLayout
+from moerl.rollout.types import SamplingParams
 
 AdvantageKind = Literal["grpo", "grpo_no_std", "rloo"]
 
@@ -32,7 +29,7 @@ class SamplingConfig:
 class AgentTasksConfig:
     """`rl.agent`: multi-step terminal episodes as the RL data (`rl.task_source=agent`).
 
-    Tasks come from the shipped suite (moerl.rl.agent.suite); each RL step runs
+    Tasks come from the shipped suite (moerl.agent.suite); each RL step runs
     `rl.prompts_per_step` tasks `rl.group_size` times each. Token limits bound one
     episode: the whole sequence (prompt, model turns, observations) is what the trainer
     forwards, so `max_episode_tokens` must fit the model's positions.
@@ -56,6 +53,26 @@ class AgentTasksConfig:
                 raise ValueError(f"rl.agent.{name}: must be >= 1")
         if self.context_tokens <= self.max_new_tokens:
             raise ValueError("rl.agent.context_tokens: must exceed rl.agent.max_new_tokens")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """How rl.policy.Policy runs an update; the trainer stage fills it from the `rl` group."""
+
+    token_budget: int = 4096
+    """B * T of a micro-batch; B = token_budget // T (see data.rl_batch)."""
+    recompute_old_logprobs: bool = True
+    """Recompute pi_old with the current weights; False uses the rollout's logprobs."""
+    use_reference: bool = True
+    """Keep a frozen reference model for reference logprobs (KL term and metric)."""
+    norm_len: float | None = None
+    """L of seq-mean-token-sum-norm (Dr.GRPO), e.g. the maximum response length."""
+    replay_routing: bool = True
+    """Replay the engine's expert choices when the samples carry them."""
+    aux_losses: bool = False
+    """Keep the MoE load-balancing and MTP losses in the update's gradient. Off by default:
+    they would also count padding tokens, whose number depends on the packing (so on the
+    layout), and the router's expert bias keeps balancing the load without them."""
 
 
 @dataclass
@@ -103,55 +120,9 @@ class RLConfig:
         if self.overlong_buffer >= self.sampling.max_tokens and self.overlong_buffer:
             raise ValueError("rl.overlong_buffer: must be smaller than rl.sampling.max_tokens")
         if self.task_source == "agent":
-            from moerl.rl.agent.suite import SuiteError, select_tasks
+            from moerl.agent.suite import SuiteError, select_tasks
 
             try:
                 select_tasks(self.agent.tasks, self.agent.categories)
             except SuiteError as err:
                 raise ValueError(f"rl.agent.tasks / rl.agent.categories: {err}") from err
-
-
-@dataclass
-class SFTConfig:
-    """The `sft` group: supervised fine-tuning (`moerl sft`, or the warm-up before RL)
-    on instruction data, loss on the responses only."""
-
-    steps: int = 0  # 0: no SFT
-    global_batch: int = 32  # rows per step (with `pack`, each row holds several examples)
-    micro_batch: int = 8
-    seq_length: int = 96
-    lr: float = 3e-3
-    warmup_steps: int = 10
-    pack: bool = False  # several examples per row, attention kept inside each
-    # JSONL of {"prompt": ..., "response": ...}; null: the `data` group's reference
-    # completions (the prompts' `reference` field)
-    data_path: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("global_batch", "micro_batch", "seq_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"sft.{name}: must be >= 1")
-        if self.steps < 0 or self.warmup_steps < 0:
-            raise ValueError("sft.steps and sft.warmup_steps: must be >= 0")
-        if self.global_batch % self.micro_batch:
-            raise ValueError(f"sft.global_batch: {self.global_batch} is not a multiple of "
-                             f"sft.micro_batch ({self.micro_batch})")
-
-    def check_layout(self, layout: ParallelLayout, mtp_layers: int) -> None:
-        """The batch-shape rules of a layout, naming the sft field to change."""
-        if self.global_batch % (self.micro_batch * layout.dp):
-            raise ValueError(
-                f"sft.global_batch: {self.global_batch} must be a multiple of sft.micro_batch "
-                f"* dp = {self.micro_batch * layout.dp}"
-            )
-        split = layout.sequence_multiple()
-        if self.seq_length % split:
-            raise ValueError(
-                f"sft.seq_length: {self.seq_length} must be a multiple of {split} "
-                "(2*cp for the context-parallel split, times tp under sequence parallelism)"
-            )
-        if self.pack and layout.cp > 1 and mtp_layers:
-            raise ValueError(
-                "sft.pack: multi-token prediction over packed rows under context parallelism "
-                "is not supported; set sft.pack=false, model.mtp_num_layers=0 or parallel.cp=1"
-            )

@@ -6,10 +6,10 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from moerl.data.prompts import PromptRecord
+from moerl.rewards.client import RewardClient
 from moerl.rl.config import SamplingConfig
-from moerl.rl.rewards.client import RewardClient
-from moerl.rl.rollout.client import RolloutClient
 from moerl.rl.scoring import score_groups
+from moerl.rollout.client import RolloutClient
 
 
 def evaluate(

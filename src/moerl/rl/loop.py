@@ -22,14 +22,14 @@ import torch.distributed as dist
 from moerl.data.prompts import PromptRecord, PromptStream
 from moerl.data.rl_batch import RLSample
 from moerl.observability import MetricsLogger, StepTimer
+from moerl.rewards.client import RewardClient
 from moerl.rl.config import RLConfig, SamplingConfig
 from moerl.rl.evaluate import evaluate
 from moerl.rl.policy import Policy
-from moerl.rl.rewards.client import RewardClient
-from moerl.rl.rollout.client import RolloutClient
-from moerl.rl.rollout.speculative.metrics import speculation_metrics
 from moerl.rl.scoring import ScoredGroup, group_metrics, score_groups, training_samples
 from moerl.rl.weight_sync import WeightSync
+from moerl.rollout.client import RolloutClient
+from moerl.rollout.speculative.metrics import speculation_metrics
 
 
 @dataclass
@@ -113,12 +113,14 @@ class StepEnd:
 
 
 def train(cfg: RLConfig, policy: Policy, sync: WeightSync, ctl: Controller | None,
-          start_step: int = 0, on_step_end: Callable[[StepEnd], None] | None = None) -> None:
+          start_step: int = 0, on_step_end: Callable[[StepEnd], bool] | None = None) -> bool:
     """RL steps [start_step, cfg.steps). `ctl` is None on every rank but the controller.
 
     The rollout servers must already serve the policy's current weights as version
     `start_step`. Evaluations run at step 0, every `eval_interval` steps and at the
-    end, so a resumed run evaluates where an uninterrupted one would.
+    end, so a resumed run evaluates where an uninterrupted one would. When
+    `on_step_end` returns True (a stop signal; the step is checkpointed) the run
+    ends there, without the final evaluation, and `train` returns True.
     """
     producer = _Producer(ctl, cfg, start_step) if cfg.mode == "async" and ctl else None
     for step in range(start_step, cfg.steps):
@@ -142,13 +144,16 @@ def train(cfg: RLConfig, policy: Policy, sync: WeightSync, ctl: Controller | Non
                    **timer.as_metrics(), "weights/version": float(step + 1)}
             ctl.logger.log(step, row)
             _print_step(step, cfg.steps, row)
-        if on_step_end is not None:
-            on_step_end(_step_end(step, ctl, producer))
+        if on_step_end is not None and on_step_end(_step_end(step, ctl, producer)):
+            if producer:
+                producer.stop()
+            return True
     if producer:
         producer.stop()
     if ctl is not None and ctl.held_out:  # agent tasks have no held-out prompts
         ctl.logger.log(cfg.steps, evaluate(ctl.engines, ctl.judges, ctl.held_out, _greedy(cfg),
                                            ctl.encode, cfg.steps))
+    return False
 
 
 def _step_end(step: int, ctl: Controller | None, producer: _Producer | None) -> StepEnd:

@@ -37,31 +37,15 @@ from moerl.models.build import build_model, te_available
 from moerl.models.weights import load_weights, save_weights
 from moerl.parallel.groups import ParallelGroups
 from moerl.parallel.layout import ParallelLayout
+from moerl.rl.config import PolicyConfig
 from moerl.rl.forward import ForwardHooks, cp_share, forward_logprobs, run_schedule, token_logprobs
 from moerl.rl.losses import Denominator, PolicyLossInputs, PolicyObjective, global_denominator
 from moerl.rl.policy_metrics import logprob_gap, reduce_reports
 from moerl.rl.routing import ExpertLoad, RoutingReplay
-from moerl.trainer.optimizer import OptimConfig, Trainable, build_optimizer
+from moerl.trainer.config import OptimConfig
+from moerl.trainer.optimizer import Trainable, build_optimizer
 
 LogprobPair = tuple[torch.Tensor, torch.Tensor]  # (logprobs, entropy), each (B, T)
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    token_budget: int = 4096
-    """B * T of a micro-batch; B = token_budget // T (see data.rl_batch)."""
-    recompute_old_logprobs: bool = True
-    """Recompute pi_old with the current weights; False uses the rollout's logprobs."""
-    use_reference: bool = True
-    """Keep a frozen reference model for reference logprobs (KL term and metric)."""
-    norm_len: float | None = None
-    """L of seq-mean-token-sum-norm (Dr.GRPO), e.g. the maximum response length."""
-    replay_routing: bool = True
-    """Replay the engine's expert choices when the samples carry them."""
-    aux_losses: bool = False
-    """Keep the MoE load-balancing and MTP losses in the update's gradient. Off by default:
-    they would also count padding tokens, whose number depends on the packing (so on the
-    layout), and the router's expert bias keeps balancing the load without them."""
 
 
 @dataclass

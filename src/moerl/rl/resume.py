@@ -1,6 +1,6 @@
 """Checkpoints of an RL run, and the RL state an exact resume continues from.
 
-A checkpoint (`moerl.checkpoint`) holds the policy's model and optimizer, the LR
+A checkpoint (`moerl.checkpoint.checkpointer`) holds the policy's model and optimizer, the LR
 schedule and every rank's RNG. The RL run adds, as the checkpoint's JSON `rl` state:
 
     next_step        the RL step to run next (the loop's steps done so far)
@@ -27,10 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moerl.checkpoint import CheckpointConfig, Checkpointer, CheckpointError, Fingerprints
-from moerl.checkpointing.collective import barrier, broadcast, rank
-from moerl.checkpointing.store import complete_checkpoints
-from moerl.models.weights import is_complete, save_weights
+from moerl.checkpoint.checkpointer import Checkpointer
+from moerl.checkpoint.collective import barrier, broadcast, rank
+from moerl.checkpoint.config import CheckpointConfig, CheckpointError, Fingerprints
+from moerl.checkpoint.store import complete_checkpoints
+from moerl.models.weights import save_weights
+from moerl.models.weights_marker import is_complete
 from moerl.rl.loop import StepEnd
 from moerl.rl.policy import Policy
 from moerl.signals import StopOnSignal
@@ -135,16 +137,16 @@ class RLCheckpoints:
         self.reference_id = new_id
 
     def step_end_hook(self, policy: Policy, stop: StopOnSignal,
-                      steps: int) -> Callable[[StepEnd], None]:
+                      steps: int) -> Callable[[StepEnd], bool]:
         """`rl.loop.train`'s `on_step_end`: save when due or at the end; on a stop
-        signal save, then exit with the requeue code (SystemExit)."""
+        signal save and return True, which ends the run."""
 
-        def on_step_end(end: StepEnd) -> None:
+        def on_step_end(end: StepEnd) -> bool:
             done = end.step + 1
             rl = {"next_step": done, "weight_version": done, "prompts": end.prompts,
                   "collected_ahead": end.collected_ahead, "reference_id": self.reference_id}
-            self.checkpointer.end_of_step(done, policy.trainable, {RL_STATE: rl}, stop,
-                                          last=done == steps)
+            return self.checkpointer.end_of_step(done, policy.trainable, {RL_STATE: rl}, stop,
+                                                 last=done == steps)
 
         return on_step_end
 

@@ -15,11 +15,11 @@ import torch
 
 from moerl.data.prompts import PromptRecord
 from moerl.data.rl_batch import RLSample
+from moerl.rewards.client import RewardClient, ScoreItem
+from moerl.rewards.protocol import RewardResult
 from moerl.rl.advantages import group_normalized, rloo
 from moerl.rl.config import RLConfig
-from moerl.rl.rewards.client import RewardClient, ScoreItem
-from moerl.rl.rewards.protocol import RewardResult
-from moerl.rl.rollout.types import Sample
+from moerl.rollout.types import Sample
 
 
 @dataclass

@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from moerl.models.arch import MoEArch
 from moerl.models.weights import unwrap_model
-from moerl.rl.rollout.backends import check_engine
-from moerl.rl.rollout.client import RolloutClient
+from moerl.rollout.backends import check_engine
+from moerl.rollout.client import RolloutClient
 
 # Files of the served HF directory that are not weights and that a new version keeps.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")

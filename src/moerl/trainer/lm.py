@@ -8,12 +8,14 @@ rich progress bar on the rank that holds the loss).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from moerl.checkpoint import CheckpointConfig, Checkpointer, Fingerprints
+from moerl.checkpoint.checkpointer import Checkpointer
+from moerl.checkpoint.config import CheckpointConfig, Fingerprints
 from moerl.data.synthetic import Batch, SyntheticCorpus, step_batches
 from moerl.models.arch import MoEArch
 from moerl.models.build import build_model, te_available
@@ -21,8 +23,18 @@ from moerl.parallel.context import split_batch
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
 from moerl.signals import STOP_SIGNALS, StopOnSignal
-from moerl.trainer.optimizer import OptimConfig, build_optimizer
+from moerl.trainer.config import OptimConfig
+from moerl.trainer.optimizer import build_optimizer
 from moerl.trainer.step import StepMetrics, train_step
+
+
+@dataclass
+class LMRun:
+    """What `train_lm` did: the loss of each step run, and whether a stop signal
+    ended it early (the checkpoint is saved; the caller exits for requeue)."""
+
+    losses: list[float] = field(default_factory=list)
+    stopped: bool = False
 
 
 def batch_iterators(
@@ -57,11 +69,11 @@ def train_lm(
     seed: int = 0,
     progress: bool = True,
     checkpoint: CheckpointConfig | None = None,
-) -> list[float]:
+) -> LMRun:
     """Train for `steps` optimizer steps; the loss of each step run (on every rank).
 
     With `checkpoint`: resume as it says, save on its interval and at the end, and
-    on SIGTERM/SIGUSR1 save and exit with the requeue code (SystemExit).
+    on SIGTERM/SIGUSR1 save and stop (`LMRun.stopped`).
     """
     groups = init_parallel(layout, seed=seed)
     try:
@@ -77,7 +89,8 @@ def train_lm(
         resumed = ckpt.load(trainable, require=("data",)) if ckpt else None
         start = resumed.step if resumed else 0  # the corpus is indexed by step
         show = progress and groups.is_logging_rank
-        losses: list[float] = []
+        result = LMRun()
+        losses = result.losses
         with StopOnSignal(STOP_SIGNALS if ckpt else ()) as stop, Progress(
             TextColumn("[bold]{task.description}"), BarColumn(),
             TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
@@ -102,10 +115,13 @@ def train_lm(
                     bar.console.print(f"step {step + 1:3d}  {info}  lr {metrics.lr:.2e}")
                 if ckpt:
                     data = {"next_step": step + 1, "samples_consumed": (step + 1) * global_batch}
-                    ckpt.end_of_step(step + 1, trainable, {"data": data}, stop, step + 1 == steps)
+                    if ckpt.end_of_step(step + 1, trainable, {"data": data}, stop,
+                                        step + 1 == steps):
+                        result.stopped = True
+                        break
         if ckpt:
             ckpt.close()
-        return losses
+        return result
     finally:
         if dist.is_initialized():
             dist.barrier()

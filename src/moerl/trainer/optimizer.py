@@ -19,29 +19,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from moerl.parallel.layout import ParallelLayout
-
-
-@dataclass
-class OptimConfig:
-    """Adam with decoupled weight decay, linear warmup then cosine decay to min_lr."""
-
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
-    decay_steps: int = 1000  # the cosine reaches min_lr after this many steps
-    # None: as the layout says (ParallelLayout.use_distributed_optimizer).
-    use_distributed_optimizer: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"optim: need 0 <= min_lr <= lr and lr > 0, got {self}")
-        if self.warmup_steps < 0 or self.decay_steps <= self.warmup_steps:
-            raise ValueError("optim.decay_steps: must exceed warmup_steps (>= 0)")
+from moerl.trainer.config import OptimConfig
 
 
 @dataclass

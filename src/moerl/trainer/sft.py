@@ -26,8 +26,8 @@ from moerl.models.weights import load_weights
 from moerl.parallel.context import split_batch
 from moerl.parallel.groups import ParallelGroups
 from moerl.parallel.layout import ParallelLayout
-from moerl.rl.config import SFTConfig
-from moerl.trainer.optimizer import OptimConfig, Trainable, build_optimizer
+from moerl.trainer.config import OptimConfig, SFTConfig
+from moerl.trainer.optimizer import Trainable, build_optimizer
 from moerl.trainer.step import StepMetrics, train_step
 
 
@@ -82,11 +82,12 @@ def run_sft(
     examples: Sequence[SFTExample],
     cfg: SFTConfig,
     pad_id: int,
-    on_step: Callable[[int, StepMetrics], None] | None = None,
+    on_step: Callable[[int, StepMetrics], bool] | None = None,
     start_step: int = 0,
 ) -> list[float]:
     """Optimizer steps `start_step` .. `cfg.steps - 1` over `examples` (cycled); the
-    loss of each step run. `on_step(step, metrics)` follows every step."""
+    loss of each step run. `on_step(step, metrics)` follows every step; when it
+    returns True (a stop signal, the checkpoint saved) no further step runs."""
     layout = groups.layout
     rows = sft_rows(examples, cfg)
     num_micro = cfg.global_batch // (cfg.micro_batch * layout.dp)
@@ -116,6 +117,6 @@ def run_sft(
             if log_lines and (step + 1) % every == 0:  # a log file gets no progress bar
                 bar.console.print(f"SFT step {step + 1}/{cfg.steps}  loss {metrics.loss:.4f}  "
                                   f"lr {metrics.lr:.2e}")
-            if on_step is not None:
-                on_step(step, metrics)
+            if on_step is not None and on_step(step, metrics):
+                break
     return losses

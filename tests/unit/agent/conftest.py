@@ -2,7 +2,7 @@ import shutil
 
 import pytest
 
-from moerl.rl.sandbox import Limits, Sandbox, SandboxConfig
+from moerl.sandbox import Limits, Sandbox, SandboxConfig
 
 
 @pytest.fixture(scope="session")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from moerl.rl.agent.collect import AgentCollector, group_samples, informative, pick_tasks
-from moerl.rl.agent.suite import select_tasks
-from moerl.rl.agent.trajectory import Segment, Trajectory
+from moerl.agent.suite import select_tasks
+from moerl.agent.trajectory import Segment, Trajectory
+from moerl.rl.agent_collect import AgentCollector, group_samples, informative, pick_tasks
 from moerl.rl.config import RLConfig
 
 

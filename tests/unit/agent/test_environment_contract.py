@@ -4,12 +4,12 @@ bad import paths fail with a clear message."""
 
 import pytest
 
-from moerl.rl.agent.environment import Environment, EnvironmentLoadError, load_environment
-from moerl.rl.agent.tasks import generate_tasks
-from moerl.rl.agent.tools import ToolCall
-from moerl.rl.sandbox import Sandbox
+from moerl.agent.environment import Environment, EnvironmentLoadError, load_environment
+from moerl.agent.tasks import generate_tasks
+from moerl.agent.tools import ToolCall
+from moerl.sandbox import Sandbox
 
-BUILTIN = ["moerl.rl.agent.terminal:TerminalEnvironment"]
+BUILTIN = ["moerl.agent.terminal:TerminalEnvironment"]
 
 
 @pytest.mark.sandbox
@@ -41,10 +41,10 @@ class NotAnEnvironment:
 @pytest.mark.parametrize(
     ("path", "message"),
     [
-        ("moerl.rl.agent.terminal.TerminalEnvironment", "must look like"),
-        ("moerl.rl.agent.nope:Env", "cannot import module"),
-        ("moerl.rl.agent.terminal:Nope", "has no attribute 'Nope'"),
-        ("moerl.rl.agent.terminal:TOOLS", "not callable"),
+        ("moerl.agent.terminal.TerminalEnvironment", "must look like"),
+        ("moerl.agent.nope:Env", "cannot import module"),
+        ("moerl.agent.terminal:Nope", "has no attribute 'Nope'"),
+        ("moerl.agent.terminal:TOOLS", "not callable"),
         (f"{__name__}:NotAnEnvironment", "lacks part of the Environment protocol"),
     ],
 )

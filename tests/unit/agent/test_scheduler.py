@@ -10,12 +10,12 @@ from collections.abc import Sequence
 
 import pytest
 
+from moerl.agent.environment import AgentTask, Observation, VerifyResult
+from moerl.agent.scheduler import AgentScheduler, SchedulerConfig
+from moerl.agent.tools import ToolCall, ToolSpec
+from moerl.agent.trajectory import training_records
 from moerl.data.tokenizer import ByteTokenizer
-from moerl.rl.agent.environment import AgentTask, Observation, VerifyResult
-from moerl.rl.agent.scheduler import AgentScheduler, SchedulerConfig
-from moerl.rl.agent.tools import ToolCall, ToolSpec
-from moerl.rl.agent.trajectory import training_records
-from moerl.rl.rollout.types import Sample, SamplingParams
+from moerl.rollout.types import Sample, SamplingParams
 
 TOK = ByteTokenizer()
 TOOLS = (

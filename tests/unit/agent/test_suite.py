@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from moerl.rl.agent.suite import (
+from moerl.agent.suite import (
     CATEGORIES,
     SuiteError,
     all_tasks,
@@ -17,7 +17,7 @@ from moerl.rl.agent.suite import (
     parse_task,
     select_tasks,
 )
-from moerl.rl.agent.tools import ToolCall
+from moerl.agent.tools import ToolCall
 from moerl.rl.config import AgentTasksConfig, RLConfig
 
 

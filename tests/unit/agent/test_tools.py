@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from moerl.rl.agent.terminal import TOOLS
-from moerl.rl.agent.tools import ToolCall, ToolCallError, ToolSpec, parse_tool_call, tools_prompt
+from moerl.agent.terminal import TOOLS
+from moerl.agent.tools import ToolCall, ToolCallError, ToolSpec, parse_tool_call, tools_prompt
 
 
 def test_valid_call_and_round_trip() -> None:

@@ -3,7 +3,7 @@ everything but the model's tokens and aligns the rollout logprobs with them."""
 
 import pytest
 
-from moerl.rl.agent.trajectory import Segment, Trajectory, cut_tokens, fit_context, training_records
+from moerl.agent.trajectory import Segment, Trajectory, cut_tokens, fit_context, training_records
 
 PROMPT = [1, 2, 3]
 

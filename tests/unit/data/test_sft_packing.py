@@ -19,7 +19,7 @@ from moerl.data.sft import (
 )
 from moerl.data.tokenizer import ByteTokenizer
 from moerl.parallel.layout import ParallelLayout
-from moerl.rl.config import SFTConfig
+from moerl.trainer.config import SFTConfig
 
 TOK = ByteTokenizer()
 

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from moerl import rendezvous
 from moerl.launchers import stages
 from moerl.launchers.local import LocalLauncher, StageFailed
-from moerl.launchers.stages import RunPlan, StageSpec, announce, discover, read_endpoints
+from moerl.launchers.stages import RunPlan, StageSpec
+from moerl.rendezvous import announce, discover, read_endpoints
 
 PY = sys.executable
 SRC = str(Path(__file__).resolve().parents[3] / "src")
@@ -26,7 +28,7 @@ SRC = str(Path(__file__).resolve().parents[3] / "src")
 SERVER = """
 import http.server, os, signal, subprocess, sys, threading
 from pathlib import Path
-from moerl.launchers.stages import announce_from_env
+from moerl.rendezvous import announce_from_env
 
 pids, mode, port = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3].split("=")[1])
 name = f"{os.environ['MOERL_STAGE']}.{os.environ['MOERL_STAGE_INDEX']}"
@@ -63,7 +65,7 @@ server.serve_forever()
 TRAINER = """
 import json, os, sys, time, urllib.request
 from pathlib import Path
-from moerl.launchers.stages import read_endpoints
+from moerl.rendezvous import read_endpoints
 
 pids, mode = Path(sys.argv[1]), sys.argv[2]
 (pids / "trainer.pid").write_text(str(os.getpid()))
@@ -194,7 +196,7 @@ def test_announce_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         seen.append((Path(src).read_text(), Path(dst).exists()))
         real_replace(src, dst)
 
-    monkeypatch.setattr(stages.os, "replace", spying_replace)
+    monkeypatch.setattr(rendezvous.os, "replace", spying_replace)
     announce(tmp_path, "reward", 0, "127.0.0.1", 8100)
     assert seen == [("127.0.0.1:8100\n", False)]
     # a writer that died before its rename leaves only a dot-file, never an endpoint
@@ -209,7 +211,7 @@ def test_failed_write_publishes_nothing(tmp_path: Path, monkeypatch: pytest.Monk
     def broken_fsync(fd: int) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(stages.os, "fsync", broken_fsync)
+    monkeypatch.setattr(rendezvous.os, "fsync", broken_fsync)
     with pytest.raises(OSError, match="disk full"):
         announce(tmp_path, "rollout", 0, "127.0.0.1", 8000)
     assert read_endpoints(tmp_path, "rollout") == []

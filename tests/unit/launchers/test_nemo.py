@@ -173,12 +173,12 @@ def test_local_experiment_runs_the_plan(tmp_path: Path) -> None:
     """The local executor path, run for real: a server announces, the trainer sees it."""
     # Servers stay up until the trainer is done, as real ones do: nemo-run stops the
     # other jobs soon after the first one ends.
-    server = ("import os, sys, time; from moerl.launchers.stages import announce_from_env; "
+    server = ("import os, sys, time; from moerl.rendezvous import announce_from_env; "
               "announce_from_env(os.environ['MOERL_HOST'], int(sys.argv[1])); "
               "deadline = time.monotonic() + 120\n"
               "while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline: "
               "time.sleep(0.1)")
-    trainer = ("import os, sys; from moerl.launchers.stages import read_endpoints; "
+    trainer = ("import os, sys; from moerl.rendezvous import read_endpoints; "
                "open(sys.argv[1], 'w').write(' '.join(read_endpoints("
                "os.environ['MOERL_RENDEZVOUS_DIR'], 'reward')) + os.environ['X'])")
     out = tmp_path / "seen"

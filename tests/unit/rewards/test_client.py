@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from moerl.rl.rewards.client import RewardClient, RewardClientConfig, ScoreItem, backoff_s
+from moerl.rewards.client import RewardClient, RewardClientConfig, ScoreItem, backoff_s
 
 Behaviour = Callable[[int, dict], tuple[int, dict] | None]
 

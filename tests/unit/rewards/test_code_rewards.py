@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from moerl.rl.rewards.code import HumanEvalReward, StdioReward, count_tests
-from moerl.rl.rewards.protocol import InvalidSpec
-from moerl.rl.sandbox import Limits, Sandbox, SandboxConfig
+from moerl.rewards.code import HumanEvalReward, StdioReward, count_tests
+from moerl.rewards.protocol import InvalidSpec
+from moerl.sandbox import Limits, Sandbox, SandboxConfig
 
 pytestmark = pytest.mark.sandbox
 

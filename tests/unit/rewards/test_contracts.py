@@ -5,9 +5,9 @@ from typing import Any
 
 import pytest
 
-from moerl.rl.rewards.protocol import RewardFunction, RewardResult
-from moerl.rl.rewards.registry import BUILTIN, RewardLoadError, load_reward
-from moerl.rl.sandbox import Sandbox
+from moerl.rewards.protocol import RewardFunction, RewardResult
+from moerl.rewards.registry import BUILTIN, RewardLoadError, load_reward
+from moerl.sandbox import Sandbox
 
 EXAMPLES: dict[str, tuple[dict[str, Any], str, str]] = {
     "humaneval": (
@@ -44,10 +44,10 @@ class NotAReward:
 @pytest.mark.parametrize(
     ("path", "message"),
     [
-        ("moerl.rl.rewards.code.HumanEvalReward", "must look like"),
-        ("moerl.rl.rewards.nope:Reward", "cannot import module"),
-        ("moerl.rl.rewards.code:Nope", "has no attribute 'Nope'"),
-        ("moerl.rl.rewards.code:HARNESS", "not callable"),
+        ("moerl.rewards.code.HumanEvalReward", "must look like"),
+        ("moerl.rewards.nope:Reward", "cannot import module"),
+        ("moerl.rewards.code:Nope", "has no attribute 'Nope'"),
+        ("moerl.rewards.code:HARNESS", "not callable"),
         (f"{__name__}:NotAReward", "lacks `name: str`"),
     ],
 )

@@ -6,9 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from moerl.rl.rewards.code import HumanEvalReward
-from moerl.rl.rewards.protocol import RewardResult
-from moerl.rl.sandbox import Sandbox
+from moerl.rewards.code import HumanEvalReward
+from moerl.rewards.protocol import RewardResult
+from moerl.sandbox import Sandbox
 
 pytestmark = pytest.mark.sandbox
 

@@ -1,8 +1,8 @@
 import pytest
 
-from moerl.rl.rewards.format import FormatReward
-from moerl.rl.rewards.math import MathReward
-from moerl.rl.rewards.protocol import InvalidSpec
+from moerl.rewards.format import FormatReward
+from moerl.rewards.math import MathReward
+from moerl.rewards.protocol import InvalidSpec
 
 
 @pytest.mark.parametrize(

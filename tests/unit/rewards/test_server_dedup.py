@@ -6,8 +6,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from moerl.rl.rewards.protocol import RewardResult
-from moerl.rl.rewards.server import ScoreItem, Scorer
+from moerl.rewards.protocol import RewardResult
+from moerl.rewards.server import ScoreItem, Scorer
 
 
 class SlowCounter:

@@ -15,7 +15,8 @@ from moerl.rl.losses import (
     build_objective,
     global_denominator,
 )
-from moerl.rl.losses.is_correction import ISLevel, ISMode, is_weights
+from moerl.rl.losses.is_correction import is_weights
+from moerl.rl.objective_config import ISLevel, ISMode
 
 
 def _logs(rhos: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:

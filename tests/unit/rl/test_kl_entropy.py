@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from moerl.rl.losses.entropy import entropy_from_logits
-from moerl.rl.losses.kl import KLEstimator, kl_estimate, kl_penalty
+from moerl.rl.losses.kl import kl_estimate, kl_penalty
+from moerl.rl.objective_config import KLEstimator
 
 
 def test_estimators_by_hand() -> None:

@@ -14,9 +14,10 @@ from moerl.data.rl_batch import RLSample
 from moerl.models.arch import TINY
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
+from moerl.rl.config import PolicyConfig
 from moerl.rl.losses import GRPOConfig, build_objective
-from moerl.rl.policy import Policy, PolicyConfig
-from moerl.trainer.optimizer import OptimConfig
+from moerl.rl.policy import Policy
+from moerl.trainer.config import OptimConfig
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,11 @@ import pytest
 
 from moerl.data.prompts import PromptRecord, PromptStream
 from moerl.observability import LoggerConfig, MetricsLogger, read_metrics
+from moerl.rewards.client import ScoreItem, ScoreReport
+from moerl.rewards.protocol import RewardResult
 from moerl.rl.config import RLConfig
 from moerl.rl.loop import Controller, train
-from moerl.rl.rewards.client import ScoreItem, ScoreReport
-from moerl.rl.rewards.protocol import RewardResult
-from moerl.rl.rollout.types import Sample
+from moerl.rollout.types import Sample
 
 
 class FakeEngines:

@@ -15,7 +15,7 @@ from moerl.data.prompts import PromptRecord, PromptStream
 from moerl.observability import LoggerConfig, MetricsLogger, read_metrics
 from moerl.rl.config import RLConfig
 from moerl.rl.loop import Controller, StepEnd, train
-from moerl.rl.rollout.types import Sample
+from moerl.rollout.types import Sample
 
 STEPS = 6
 

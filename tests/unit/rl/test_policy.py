@@ -12,14 +12,16 @@ from megatron.core.transformer.moe import moe_logging
 
 from moerl.data.rl_batch import RLSample
 from moerl.models.arch import TINY, MoEArch
-from moerl.models.weights import is_complete, load_weights
+from moerl.models.weights import load_weights
+from moerl.models.weights_marker import is_complete
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
+from moerl.rl.config import PolicyConfig
 from moerl.rl.losses import GRPOConfig, PolicyLossInputs, build_objective
 from moerl.rl.losses.entropy import entropy_from_logits
-from moerl.rl.policy import Policy, PolicyConfig, _aux_losses
+from moerl.rl.policy import Policy, _aux_losses
 from moerl.rl.routing import RoutingReplay
-from moerl.trainer.optimizer import OptimConfig
+from moerl.trainer.config import OptimConfig
 
 
 @pytest.fixture(scope="module")

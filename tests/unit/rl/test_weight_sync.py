@@ -20,13 +20,13 @@ import torch
 
 from moerl.models.arch import MoEArch
 from moerl.parallel.layout import ParallelLayout
-from moerl.rl.rollout.client import ClientConfig, RolloutClient
 from moerl.rl.weight_sync import (
     FilesystemWeightSync,
     HFExportWeightSync,
     build_weight_sync,
     export_dtype,
 )
+from moerl.rollout.client import ClientConfig, RolloutClient
 
 pytest.importorskip("transformers")
 TESTS = Path(__file__).parents[2]

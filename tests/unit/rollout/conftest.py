@@ -11,7 +11,7 @@ from megatron.core.models.gpt import GPTModel
 
 from moerl.data.tokenizer import ByteTokenizer
 from moerl.models.arch import TINY
-from moerl.rl.rollout.engine import EngineOptions, MegatronEngine, build_engine
+from moerl.rollout.engine import EngineOptions, MegatronEngine, build_engine
 
 SEED = 1234
 

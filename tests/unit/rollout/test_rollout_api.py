@@ -9,9 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from moerl.data.tokenizer import ByteTokenizer
-from moerl.rl.rollout.client import ClientConfig, RolloutClient, RolloutUnavailable
-from moerl.rl.rollout.openai_api import CompletionBody, to_requests
-from moerl.rl.rollout.types import RequestError, SamplingParams
+from moerl.rollout.client import ClientConfig, RolloutClient, RolloutUnavailable
+from moerl.rollout.openai_api import CompletionBody, to_requests
+from moerl.rollout.types import RequestError, SamplingParams
 
 TOK = ByteTokenizer()
 

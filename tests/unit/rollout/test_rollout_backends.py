@@ -11,9 +11,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moerl.launchers.plan import LaunchConfig, RewardStageConfig, RolloutStageConfig, build_run_plan
-from moerl.rl.rollout.backends import engine_argv, weight_update_calls
-from moerl.rl.rollout.client import RolloutClient, RolloutUnavailable
+from moerl.config import LaunchConfig
+from moerl.launchers.plan import build_run_plan
+from moerl.rewards.config import RewardStageConfig
+from moerl.rollout.backends import engine_argv, weight_update_calls
+from moerl.rollout.client import RolloutClient, RolloutUnavailable
+from moerl.rollout.config import RolloutStageConfig
 
 HF = "/ckpt/hf/v3"
 
@@ -75,7 +78,7 @@ def test_run_plan_uses_the_configured_engine(tmp_path: Path) -> None:
     assert ours[1:5] == ("-m", "moerl.launchers.cli", "serve", "rollout")
     vllm = _plan(tmp_path, RolloutStageConfig(engine="vllm", hf_model_dir=HF))
     # Wrapped so the engine gets announced in the rendezvous dir once healthy.
-    assert vllm[:4] == ("/env/bin/python", "-m", "moerl.rl.rollout.backends", "--")
+    assert vllm[:4] == ("/env/bin/python", "-m", "moerl.rollout.backends", "--")
     assert vllm[4:7] == ("vllm", "serve", HF)
     sglang = _plan(tmp_path, RolloutStageConfig(engine="sglang", hf_model_dir=HF))
     assert sglang[4:7] == ("/env/bin/python", "-m", "sglang.launch_server")
@@ -151,8 +154,8 @@ def test_wrapper_announces_the_engine_once_healthy(tmp_path: Path,
     import socket
     import sys
 
-    from moerl.launchers.stages import ENV_INDEX, ENV_RENDEZVOUS, ENV_STAGE, read_endpoints
-    from moerl.rl.rollout.backends import main
+    from moerl.rendezvous import ENV_INDEX, ENV_RENDEZVOUS, ENV_STAGE, read_endpoints
+    from moerl.rollout.backends import main
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

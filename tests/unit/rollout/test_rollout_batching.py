@@ -7,8 +7,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from moerl.rl.rollout.batching import BatchScheduler
-from moerl.rl.rollout.types import GenerationRequest, Sample, SamplingParams
+from moerl.rollout.batching import BatchScheduler
+from moerl.rollout.types import GenerationRequest, Sample, SamplingParams
 
 
 class FakeEngine:

@@ -6,8 +6,8 @@ import torch
 from conftest import full_logits, greedy_no_cache
 from megatron.core.models.gpt import GPTModel
 
-from moerl.rl.rollout.engine import MegatronEngine
-from moerl.rl.rollout.types import GenerationRequest, SamplingParams
+from moerl.rollout.engine import MegatronEngine
+from moerl.rollout.types import GenerationRequest, SamplingParams
 
 PROMPTS = [list(b"Hello there"), list(b"Hi"), list(b"The quick brown fox jumps")]
 

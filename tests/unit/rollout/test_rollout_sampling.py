@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from moerl.rl.rollout.sampling import RowSampling, choose_tokens
-from moerl.rl.rollout.types import SamplingParams
+from moerl.rollout.sampling import RowSampling, choose_tokens
+from moerl.rollout.types import SamplingParams
 
 
 def _rows(count: int, seed: int = 0, **kwargs: object) -> list[RowSampling]:

@@ -10,10 +10,10 @@ from fastapi.testclient import TestClient
 from test_rollout_batching import FakeEngine
 
 from moerl.data.tokenizer import ByteTokenizer
-from moerl.rl.rollout.batching import BatchScheduler
-from moerl.rl.rollout.engine import EngineOptions
-from moerl.rl.rollout.server import ServerState, create_app
-from moerl.rl.rollout.types import GenerationRequest
+from moerl.rollout.batching import BatchScheduler
+from moerl.rollout.engine import EngineOptions
+from moerl.rollout.server import ServerState, create_app
+from moerl.rollout.types import GenerationRequest
 
 
 class SlowLoadEngine(FakeEngine):

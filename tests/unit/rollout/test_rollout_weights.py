@@ -10,8 +10,8 @@ import torch
 from conftest import greedy_no_cache
 from megatron.core.models.gpt import GPTModel
 
-from moerl.rl.rollout.engine import MegatronEngine, WeightLoadError
-from moerl.rl.rollout.types import GenerationRequest, SamplingParams
+from moerl.rollout.engine import MegatronEngine, WeightLoadError
+from moerl.rollout.types import GenerationRequest, SamplingParams
 
 PROMPT = list(b"weights")
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

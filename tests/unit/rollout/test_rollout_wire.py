@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from fake_engines import FakeEngine, sglang_output, vllm_choice, vllm_completion
 
-from moerl.rl.rollout.client import ClientConfig, RolloutClient
-from moerl.rl.rollout.types import SamplingParams
-from moerl.rl.rollout.wire import ReplyError, token_id
+from moerl.rollout.client import ClientConfig, RolloutClient
+from moerl.rollout.types import SamplingParams
+from moerl.rollout.wire import ReplyError, token_id
 
 FAST = ClientConfig(backoff_s=0.01, backoff_cap_s=0.02, timeout_s=10.0)
 

@@ -8,19 +8,15 @@ from megatron.core.inference.utils import InferenceMode
 from megatron.core.models.gpt import GPTModel
 
 from moerl.data.tokenizer import ByteTokenizer
-from moerl.rl.rollout.engine import EngineOptions, MegatronEngine
-from moerl.rl.rollout.sampling import RowSampling
-from moerl.rl.rollout.speculative import (
-    Draft,
-    DraftRequest,
-    NgramDrafter,
-    SpeculativeConfig,
-    speculation_metrics,
-)
-from moerl.rl.rollout.speculative.verify import CachedPolicy, accept_drafts, policy_probs
-from moerl.rl.rollout.speculative_decode import SpeculativeDecoder
-from moerl.rl.rollout.static_decode import DecodeRow, open_batch
-from moerl.rl.rollout.types import GenerationRequest, Sample, SamplingParams
+from moerl.rollout.engine import EngineOptions, MegatronEngine
+from moerl.rollout.sampling import RowSampling
+from moerl.rollout.speculative.config import SpeculativeConfig
+from moerl.rollout.speculative.drafters import Draft, DraftRequest, NgramDrafter
+from moerl.rollout.speculative.metrics import speculation_metrics
+from moerl.rollout.speculative.verify import CachedPolicy, accept_drafts, policy_probs
+from moerl.rollout.speculative_decode import SpeculativeDecoder
+from moerl.rollout.static_decode import DecodeRow, open_batch
+from moerl.rollout.types import GenerationRequest, Sample, SamplingParams
 
 # Upper 0.1% points of the chi-square distribution, by degrees of freedom.
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moerl.rl.sandbox import ExecutionResult, ExecutionStatus, Limits, Sandbox
+from moerl.sandbox import ExecutionResult, ExecutionStatus, Limits, Sandbox
 
 pytestmark = pytest.mark.sandbox
 PY = "/usr/bin/python3"
@@ -258,7 +258,7 @@ def test_concurrent_runs_never_see_each_others_files(sandbox: Sandbox) -> None:
 
 
 def test_symlinks_left_in_the_work_dir_are_not_followed(sandbox: Sandbox) -> None:
-    from moerl.rl.sandbox.workspace import UnsafePath
+    from moerl.sandbox.workspace import UnsafePath
 
     with sandbox.workspace() as ws:
         r = sandbox.run(["/bin/sh", "-c",

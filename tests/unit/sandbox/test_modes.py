@@ -2,7 +2,7 @@
 
 import pytest
 
-from moerl.rl.sandbox import (
+from moerl.sandbox import (
     ExecutionStatus,
     Limits,
     Sandbox,
@@ -10,7 +10,7 @@ from moerl.rl.sandbox import (
     SandboxUnavailable,
     runner,
 )
-from moerl.rl.sandbox.cgroups import CgroupUnavailable
+from moerl.sandbox.cgroups import CgroupUnavailable
 
 pytestmark = pytest.mark.sandbox
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moerl.rl.sandbox import Sandbox, SandboxConfig
+from moerl.sandbox import Sandbox, SandboxConfig
 
 pytestmark = pytest.mark.sandbox
 SRC = Path(__file__).resolve().parents[3] / "src"
@@ -35,7 +35,7 @@ def test_sigkill_of_the_owner_kills_sandboxed_children(sandbox: Sandbox) -> None
     marker = f"moerl-orphan-{uuid.uuid4().hex}"
     owner_script = textwrap.dedent(f"""
         import threading
-        from moerl.rl.sandbox import Sandbox, Limits
+        from moerl.sandbox import Sandbox, Limits
         sb = Sandbox()
         def work():
             with sb.workspace() as ws:

@@ -5,9 +5,9 @@ import struct
 
 import pytest
 
-from moerl.rl.sandbox.cgroups import CgroupUnavailable, plan_layout
-from moerl.rl.sandbox.config import Limits, SandboxConfig, clamp_request
-from moerl.rl.sandbox.seccomp import SeccompUnsupported, build_filter, denied_syscalls
+from moerl.sandbox.cgroups import CgroupUnavailable, plan_layout
+from moerl.sandbox.config import Limits, SandboxConfig, clamp_request
+from moerl.sandbox.seccomp import SeccompUnsupported, build_filter, denied_syscalls
 
 MAXIMA = Limits(wall_time_s=30, cpu_time_s=30, memory_mb=1024, max_processes=64)
 

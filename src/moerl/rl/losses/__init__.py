@@ -4,76 +4,62 @@
     loss, metrics = objective(PolicyLossInputs(...), denom)   # per micro-batch
 
 `denom` is the global-batch Denominator (aggregation.global_denominator); see
-protocol.py for what loss and metrics mean across micro-batches and ranks.
+protocol.py for what loss and metrics mean across micro-batches and ranks. The names and
+config classes come from moerl.rl.objective_config, which reads configs without torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from moerl.rl.losses.aggregation import (
-    AggregationMode,
-    Denominator,
-    aggregate,
-    global_denominator,
-)
-from moerl.rl.losses.cispo import CISPO, CISPOConfig
-from moerl.rl.losses.dapo import DAPO, DAPOConfig
-from moerl.rl.losses.dr_grpo import DrGRPO, DrGRPOConfig
-from moerl.rl.losses.grpo import GRPO, GRPOConfig
-from moerl.rl.losses.gspo import GSPO, GSPOConfig
-from moerl.rl.losses.is_correction import ISCorrectionConfig, ISLevel, ISMode
-from moerl.rl.losses.kl import KLEstimator
-from moerl.rl.losses.ppo_clip import PPOClip, PPOClipConfig
+from moerl.rl.losses.aggregation import Denominator, aggregate, global_denominator
+from moerl.rl.losses.cispo import CISPO
+from moerl.rl.losses.dapo import DAPO
+from moerl.rl.losses.dr_grpo import DrGRPO
+from moerl.rl.losses.grpo import GRPO
+from moerl.rl.losses.gspo import GSPO
+from moerl.rl.losses.ppo_clip import PPOClip
 from moerl.rl.losses.protocol import Metrics, PolicyLossInputs, PolicyObjective
-from moerl.rl.losses.terms import ObjectiveConfig
+from moerl.rl.objective_config import (
+    OBJECTIVE_NAMES,
+    AggregationMode,
+    CISPOConfig,
+    DAPOConfig,
+    DrGRPOConfig,
+    GRPOConfig,
+    GSPOConfig,
+    ISCorrectionConfig,
+    ISLevel,
+    ISMode,
+    KLEstimator,
+    ObjectiveConfig,
+    PPOClipConfig,
+    objective_config_class,
+)
 
-
-@dataclass(frozen=True)
-class _Entry:
-    config_cls: type[ObjectiveConfig]
-    build: Callable[[Any], PolicyObjective]
-
-
+# Keyed by config class: the names are listed once, in objective_config.OBJECTIVE_CONFIGS.
 # Each builder takes exactly its own config class (checked in build_objective).
-_REGISTRY: dict[str, _Entry] = {
-    "ppo_clip": _Entry(PPOClipConfig, PPOClip),
-    "grpo": _Entry(GRPOConfig, GRPO),
-    "dapo": _Entry(DAPOConfig, DAPO),
-    "gspo": _Entry(GSPOConfig, GSPO),
-    "cispo": _Entry(CISPOConfig, CISPO),
-    "dr_grpo": _Entry(DrGRPOConfig, DrGRPO),
+_BUILDERS: dict[type[ObjectiveConfig], Callable[[Any], PolicyObjective]] = {
+    PPOClipConfig: PPOClip,
+    GRPOConfig: GRPO,
+    DAPOConfig: DAPO,
+    GSPOConfig: GSPO,
+    CISPOConfig: CISPO,
+    DrGRPOConfig: DrGRPO,
 }
-
-OBJECTIVE_NAMES: tuple[str, ...] = tuple(_REGISTRY)
-
-
-def objective_config_class(name: str) -> type[ObjectiveConfig]:
-    """The config dataclass of objective `name`, for building it from YAML values."""
-    return _entry(name).config_cls
 
 
 def build_objective(name: str, cfg: ObjectiveConfig | None = None) -> PolicyObjective:
     """The objective `name` with `cfg` (its own config class), or its defaults if None."""
-    entry = _entry(name)
+    config_cls = objective_config_class(name)
     if cfg is None:
-        cfg = entry.config_cls()
-    elif type(cfg) is not entry.config_cls:
+        cfg = config_cls()
+    elif type(cfg) is not config_cls:
         raise TypeError(
-            f"objective {name!r} takes {entry.config_cls.__name__}, got {type(cfg).__name__}"
+            f"objective {name!r} takes {config_cls.__name__}, got {type(cfg).__name__}"
         )
-    return entry.build(cfg)
-
-
-def _entry(name: str) -> _Entry:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown objective {name!r}; choose one of {', '.join(OBJECTIVE_NAMES)}"
-        ) from None
+    return _BUILDERS[config_cls](cfg)
 
 
 __all__ = [

@@ -28,17 +28,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import StrEnum
 
 import torch
 import torch.distributed as dist
 
-
-class AggregationMode(StrEnum):
-    TOKEN_MEAN = "token-mean"
-    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
-    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
-    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
+from moerl.rl.objective_config import AggregationMode
 
 
 @dataclass(frozen=True)

@@ -13,30 +13,12 @@ weight (eps_low = 1 here, i.e. w >= 0) and tunes only eps_high.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from moerl.rl.losses.aggregation import AggregationMode, Denominator, token_share
+from moerl.rl.losses.aggregation import Denominator, token_share
 from moerl.rl.losses.protocol import Metrics, PolicyLossInputs
-from moerl.rl.losses.terms import (
-    ObjectiveConfig,
-    check_clip_range,
-    finish_loss,
-    log_ratio,
-    ratio_metrics,
-)
-
-
-@dataclass(frozen=True)
-class CISPOConfig(ObjectiveConfig):
-    aggregation: AggregationMode = AggregationMode.TOKEN_MEAN
-    eps_low: float = 1.0
-    eps_high: float = 0.28
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_clip_range(self.eps_low, self.eps_high)
+from moerl.rl.losses.terms import finish_loss, log_ratio, ratio_metrics
+from moerl.rl.objective_config import CISPOConfig
 
 
 class CISPO:

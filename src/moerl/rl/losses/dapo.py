@@ -13,17 +13,8 @@ reward shaping. Clip fractions are reported separately for the low and high side
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from moerl.rl.losses.aggregation import AggregationMode
-from moerl.rl.losses.ppo_clip import PPOClip, PPOClipConfig
-
-
-@dataclass(frozen=True)
-class DAPOConfig(PPOClipConfig):
-    aggregation: AggregationMode = AggregationMode.TOKEN_MEAN
-    eps_low: float = 0.2
-    eps_high: float = 0.28
+from moerl.rl.losses.ppo_clip import PPOClip
+from moerl.rl.objective_config import DAPOConfig
 
 
 class DAPO(PPOClip):

@@ -14,15 +14,8 @@ response length), passed as Denominator.norm_len: aggregation seq-mean-token-sum
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from moerl.rl.losses.aggregation import AggregationMode
-from moerl.rl.losses.ppo_clip import PPOClip, PPOClipConfig
-
-
-@dataclass(frozen=True)
-class DrGRPOConfig(PPOClipConfig):
-    aggregation: AggregationMode = AggregationMode.SEQ_MEAN_TOKEN_SUM_NORM
+from moerl.rl.losses.ppo_clip import PPOClip
+from moerl.rl.objective_config import DrGRPOConfig
 
 
 class DrGRPO(PPOClip):

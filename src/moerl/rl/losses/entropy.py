@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from moerl.rl.losses.aggregation import AggregationMode, Denominator, aggregate
+from moerl.rl.losses.aggregation import Denominator, aggregate
+from moerl.rl.objective_config import AggregationMode
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -13,19 +13,8 @@ then over sequences, with a k3 KL term to the reference policy in the loss:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from moerl.rl.losses.aggregation import AggregationMode
-from moerl.rl.losses.kl import KLEstimator
-from moerl.rl.losses.ppo_clip import PPOClip, PPOClipConfig
-
-
-@dataclass(frozen=True)
-class GRPOConfig(PPOClipConfig):
-    aggregation: AggregationMode = AggregationMode.SEQ_MEAN_TOKEN_MEAN
-    kl_coef: float = 0.04
-    """beta of the paper; the reference logprobs are then required."""
-    kl_estimator: KLEstimator = KLEstimator.K3
+from moerl.rl.losses.ppo_clip import PPOClip
+from moerl.rl.objective_config import GRPOConfig
 
 
 class GRPO(PPOClip):

@@ -17,31 +17,13 @@ paper's clip ranges are small (3e-4, 4e-4) because s_i is a geometric mean.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from moerl.rl.losses.aggregation import AggregationMode, Denominator, masked_max, seq_share
+from moerl.rl.losses.aggregation import Denominator, masked_max, seq_share
 from moerl.rl.losses.ppo_clip import clip_metrics, clipped_surrogate
 from moerl.rl.losses.protocol import Metrics, PolicyLossInputs
-from moerl.rl.losses.terms import (
-    LOG_RATIO_CLAMP,
-    ObjectiveConfig,
-    check_clip_range,
-    finish_loss,
-    ratio_metrics,
-)
-
-
-@dataclass(frozen=True)
-class GSPOConfig(ObjectiveConfig):
-    aggregation: AggregationMode = AggregationMode.SEQ_MEAN_TOKEN_MEAN
-    eps_low: float = 3e-4
-    eps_high: float = 4e-4
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_clip_range(self.eps_low, self.eps_high)
+from moerl.rl.losses.terms import LOG_RATIO_CLAMP, finish_loss, ratio_metrics
+from moerl.rl.objective_config import GSPOConfig
 
 
 def sequence_log_ratio(

@@ -24,41 +24,10 @@ so gradient accumulation stays exact; they simply contribute zero.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import StrEnum
-
 import torch
 
 from moerl.rl.losses.aggregation import Denominator, masked_max, token_share
-
-
-class ISMode(StrEnum):
-    TRUNCATE = "tis"
-    MASK = "mis"
-
-
-class ISLevel(StrEnum):
-    TOKEN = "token"
-    SEQUENCE = "sequence"
-    GEOMETRIC = "geometric"
-
-
-@dataclass(frozen=True)
-class ISCorrectionConfig:
-    mode: ISMode = ISMode.TRUNCATE
-    level: ISLevel = ISLevel.TOKEN
-    upper: float = 2.0
-    """TIS: truncation threshold C; MIS: largest weight kept."""
-    lower: float = 0.0
-    """MIS only: smallest weight kept (0 keeps every weight below `upper`)."""
-    log_clamp: float = 20.0
-    """Bound on the summed log-ratio before exp, so long sequences cannot overflow."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "mode", ISMode(self.mode))
-        object.__setattr__(self, "level", ISLevel(self.level))
-        if not 0.0 <= self.lower < self.upper:
-            raise ValueError(f"need 0 <= lower < upper, got lower={self.lower} upper={self.upper}")
+from moerl.rl.objective_config import ISCorrectionConfig, ISLevel, ISMode
 
 
 def is_weights(

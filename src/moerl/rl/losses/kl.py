@@ -16,17 +16,10 @@ Used two ways:
 
 from __future__ import annotations
 
-from enum import StrEnum
-
 import torch
 
-from moerl.rl.losses.aggregation import AggregationMode, Denominator, aggregate
-
-
-class KLEstimator(StrEnum):
-    K1 = "k1"
-    K2 = "k2"
-    K3 = "k3"
+from moerl.rl.losses.aggregation import Denominator, aggregate
+from moerl.rl.objective_config import AggregationMode, KLEstimator
 
 
 def kl_estimate(

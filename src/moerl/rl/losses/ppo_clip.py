@@ -23,29 +23,8 @@ import torch
 
 from moerl.rl.losses.aggregation import Denominator, token_share
 from moerl.rl.losses.protocol import Metrics, PolicyLossInputs
-from moerl.rl.losses.terms import (
-    ObjectiveConfig,
-    check_clip_range,
-    finish_loss,
-    log_ratio,
-    ratio_metrics,
-)
-
-
-@dataclass(frozen=True)
-class PPOClipConfig(ObjectiveConfig):
-    eps_low: float = 0.2
-    """Lower clip: the ratio is held at >= 1 - eps_low for negative advantages."""
-    eps_high: float = 0.2
-    """Upper clip: the ratio is held at <= 1 + eps_high for positive advantages."""
-    dual_clip: float | None = None
-    """c > 1 of dual clip for negative advantages; None disables it."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_clip_range(self.eps_low, self.eps_high)
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
+from moerl.rl.losses.terms import finish_loss, log_ratio, ratio_metrics
+from moerl.rl.objective_config import PPOClipConfig
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""What every objective shares: its base config and the terms added to the surrogate.
+"""What every objective shares: the terms added to the surrogate.
 
 Given an objective's per-token policy-gradient loss pg_t (B, T), the loss is
 
@@ -6,59 +6,23 @@ Given an objective's per-token policy-gradient loss pg_t (B, T), the loss is
 
 with w_t the rollout/trainer IS correction (1 when off), KL_t an estimator of
 KL(pi || pi_ref), H_t the entropy, and agg the configured aggregation with the
-global-batch denominator (see aggregation.py).
+global-batch denominator (see aggregation.py). The fields that switch these terms on
+are those of ObjectiveConfig (rl/objective_config.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from moerl.rl.losses.aggregation import (
-    AggregationMode,
-    Denominator,
-    aggregate,
-    masked_max,
-    token_share,
-)
+from moerl.rl.losses.aggregation import Denominator, aggregate, masked_max, token_share
 from moerl.rl.losses.entropy import entropy_bonus
-from moerl.rl.losses.is_correction import ISCorrectionConfig, is_weights
-from moerl.rl.losses.kl import KLEstimator, kl_estimate
+from moerl.rl.losses.is_correction import is_weights
+from moerl.rl.losses.kl import kl_estimate
 from moerl.rl.losses.protocol import Metrics, PolicyLossInputs
+from moerl.rl.objective_config import ObjectiveConfig
 
 # exp() of a log-ratio beyond this overflows fp32 long before it means anything.
 LOG_RATIO_CLAMP = 20.0
-
-
-@dataclass(frozen=True)
-class ObjectiveConfig:
-    """Fields every objective has; each objective's config extends it."""
-
-    aggregation: AggregationMode = AggregationMode.TOKEN_MEAN
-    """How per-token losses become a scalar; see aggregation.py."""
-    kl_coef: float = 0.0
-    """beta of the KL-to-reference loss term; 0 disables it (ref logprobs not needed)."""
-    kl_estimator: KLEstimator = KLEstimator.K3
-    entropy_coef: float = 0.0
-    """c of the entropy bonus; 0 disables it (entropy still reported when given)."""
-    is_correction: ISCorrectionConfig | None = None
-    """Rollout-vs-trainer importance correction; None disables it."""
-
-    def __post_init__(self) -> None:
-        # Hydra hands strings; keep the fields typed as enums from here on.
-        object.__setattr__(self, "aggregation", AggregationMode(self.aggregation))
-        object.__setattr__(self, "kl_estimator", KLEstimator(self.kl_estimator))
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError(
-                f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, {self.entropy_coef}"
-            )
-
-
-def check_clip_range(eps_low: float, eps_high: float) -> None:
-    """A ratio clip range [1 - eps_low, 1 + eps_high] must contain 1 and stay >= 0."""
-    if not (0.0 <= eps_low <= 1.0 and eps_high >= 0.0):
-        raise ValueError(f"need 0 <= eps_low <= 1 and eps_high >= 0; got {eps_low}, {eps_high}")
 
 
 def log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,137 @@
+"""`moerl plan` input and output: overrides -> `PlanConfig`, results -> tables or JSON."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from moerl.models.arch import get_preset
+from moerl.planning.memory import GiB
+from moerl.planning.plan import Candidate, PlanConfig, search_layouts
+from moerl.planning.rollout_fit import EngineFit, rollout_options
+from moerl.typed_config import ConfigError, from_dict, to_dict
+
+_ABSENT = object()
+
+
+def load_plan_config(overrides: list[str]) -> PlanConfig:
+    """`key=value` overrides on top of the dataclass defaults; unknown keys fail by name."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"{bad[0]!r}: overrides look like key=value (e.g. cluster.nodes=64)")
+    base = OmegaConf.create(to_dict(PlanConfig()))
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if OmegaConf.select(base, key, default=_ABSENT) is _ABSENT:
+            section = key.rsplit(".", 1)[0] if "." in key else ""
+            known = OmegaConf.select(base, section, default=None) if section else base
+            names = ", ".join(sorted(known)) if hasattr(known, "keys") else "(none)"
+            raise ConfigError(f"{key}: unknown key for moerl plan; known keys there: {names}")
+        try:
+            base = OmegaConf.merge(base, OmegaConf.from_dotlist([override]))
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"{key}: {str(err).splitlines()[0]}") from None
+    data = OmegaConf.to_container(base, resolve=True)
+    assert isinstance(data, dict)
+    return from_dict(PlanConfig, {str(k): v for k, v in data.items()})
+
+
+def candidate_dict(candidate: Candidate) -> dict[str, Any]:
+    time = candidate.time
+    return {
+        "layout": to_dict(candidate.layout),
+        "name": candidate.layout.describe(),
+        "uneven_pipeline": candidate.uneven_pipeline,
+        "fits": candidate.fits,
+        "reason": candidate.reason,
+        "memory_gib": {**candidate.memory.gib(), "total": candidate.memory.total / GiB},
+        "peak_pipeline_rank": candidate.memory.pipeline_rank,
+        "step_seconds": {
+            "total": time.total, "compute": time.compute, "bubble": time.bubble,
+            "tp": time.tp, "cp": time.cp, "ep": time.ep, "pp": time.pp, "dp": time.dp,
+        },
+        "tokens_per_gpu_second": time.tokens_per_gpu_second,
+    }
+
+
+def _layouts_table(config: PlanConfig, best: list[Candidate], considered: int) -> Table:
+    cluster = config.cluster
+    peak = cluster.peak_fp8_tflops if config.run.precision == "fp8" else cluster.peak_bf16_tflops
+    table = Table(title=f"{config.model} on {cluster.nodes} x {cluster.gpus_per_node} GPUs: "
+                        f"{len(best)} shown of the fitting layouts ({considered} valid)")
+    columns = ("#", "layout", "pp split", "GiB", "step s", "compute s", "bubble s", "comm s",
+               "tok/s/GPU", "MFU")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "layout" else "right",
+                         no_wrap=True)
+    for i, c in enumerate(best, 1):
+        t = c.time
+        table.add_row(str(i), c.layout.describe(), "uneven" if c.uneven_pipeline else "even",
+                      f"{c.memory.total / GiB:.1f}", f"{t.total:.2f}", f"{t.compute:.2f}",
+                      f"{t.bubble:.2f}", f"{t.communication:.2f}",
+                      f"{t.tokens_per_gpu_second:,.0f}", f"{t.mfu(peak):.1%}")
+    return table
+
+
+def _memory_table(best: Candidate, budget_gib: float) -> Table:
+    memory = best.memory
+    table = Table(title=f"memory of {best.layout.describe()}, pipeline rank "
+                        f"{memory.pipeline_rank} ({memory.in_flight:g} micro-batches in flight)")
+    table.add_column("term")
+    table.add_column("GiB", justify="right")
+    table.add_column("share", justify="right")
+    for name, gib in memory.gib().items():
+        table.add_row(name, f"{gib:.2f}", f"{gib * GiB / memory.total:.0%}")
+    table.add_row("total", f"{memory.total / GiB:.2f}", f"budget {budget_gib:.1f}")
+    return table
+
+
+def _rollout_table(options: list[EngineFit], nodes: int) -> Table:
+    table = Table(title=f"rollout engines on {nodes} nodes")
+    for column in ("GPUs/engine", "TP", "EP", "replicas", "weights GiB/GPU", "KV tokens",
+                   "needed", "fits"):
+        table.add_column(column, justify="right")
+    shown = [o for o in options if o.fits][:6] or options[:3]
+    for o in shown:
+        table.add_row(str(o.gpus), str(o.tp), str(o.ep), str(o.replicas), f"{o.weights_gb:.1f}",
+                      f"{o.kv_tokens:,}", f"{o.needed_tokens:,}", "yes" if o.fits else "no")
+    return table
+
+
+def report(config: PlanConfig, as_json: bool) -> int:
+    """Run the search and print the result; 1 when no layout fits."""
+    arch = get_preset(config.model)
+    cluster, search = config.cluster, config.search
+    result = search_layouts(arch, cluster, config.run, search)
+    fitting, considered, miss = result.fitting, result.considered, result.closest_miss
+    best = fitting[: search.top]
+    options = rollout_options(arch, config.rollout, cluster.gpus_per_node, cluster.gpu_memory_gb)
+    if as_json:
+        print(json.dumps({
+            "config": to_dict(config),
+            "considered": considered,
+            "fitting": len(fitting),
+            "closest_miss": candidate_dict(miss) if miss is not None and not fitting else None,
+            "best": [candidate_dict(c) for c in best],
+            "rollout": [to_dict(o) for o in options],
+        }, indent=2))
+        return 0 if fitting else 1
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=132)
+    if not best:
+        console.print(f"no layout of {considered} fits {cluster.gpu_memory_gb:g} GiB with a "
+                      f"{search.safety_margin:.0%} margin; add nodes or recompute more")
+        if miss is not None:
+            console.print(f"closest: {miss.layout.describe()}: {miss.reason}")
+        return 1
+    console.print(_layouts_table(config, best, considered))
+    console.print(_memory_table(best[0], cluster.gpu_memory_gb * (1 - search.safety_margin)))
+    console.print(_rollout_table(options, config.rollout.nodes))
+    return 0

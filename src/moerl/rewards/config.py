@@ -1,0 +1,19 @@
+"""The `rewards` config group: the reward servers and how the trainer calls them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class RewardStageConfig:
+    """The `rewards` group: the reward servers and how the trainer calls them."""
+
+    servers: int = 1
+    max_concurrency: int = 2  # sandboxed executions at once per server
+    isolation: Literal["strict", "no-cgroups"] = "strict"
+    batch_size: int = 64
+    timeout_s: float = 300.0
+    nodes: int = 1
+    cpus: int = 2

@@ -1,0 +1,209 @@
+"""The reward server: HTTP `/score` for batches of samples, `/health`.
+
+Every item carries an id, and each id is executed at most once: a retried request whose
+response was lost (client timeout, dropped connection) joins the execution already
+running or gets its stored result, so a non-idempotent command never runs twice.
+Errors are per item and typed: `infra` (the system failed: never a reward of 0) or
+`invalid_spec` (bad reference data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel, Field
+
+from moerl.rendezvous import ENV_INDEX, ENV_RENDEZVOUS, announce
+from moerl.rewards.protocol import InvalidSpec, RewardFunction, RewardResult
+from moerl.rewards.registry import BUILTIN, RewardLoadError, load_rewards
+from moerl.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class ScoreItem(BaseModel):
+    id: str = Field(min_length=1, max_length=200)
+    reward: str
+    completion: str
+    spec: dict[str, Any] = Field(default_factory=dict)
+
+
+class ScoreBatch(BaseModel):
+    items: list[ScoreItem]
+
+
+def _fingerprint(item: ScoreItem) -> str:
+    body = json.dumps([item.reward, item.completion, item.spec], sort_keys=True, default=str)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+class Scorer:
+    """Runs items on a bounded thread pool, once per id."""
+
+    def __init__(self, rewards: Mapping[str, RewardFunction], max_concurrency: int,
+                 remember: int = 50_000) -> None:  # fmt: skip
+        self.rewards = dict(rewards)
+        self.max_concurrency = max_concurrency
+        self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="reward")
+        self.remember = remember
+        self.tasks: OrderedDict[str, tuple[str, asyncio.Future[RewardResult]]] = OrderedDict()
+        self.executions = 0
+
+    def score_sync(self, item: ScoreItem) -> RewardResult:
+        reward = self.rewards.get(item.reward)
+        if reward is None:
+            return RewardResult.invalid(
+                f"unknown reward {item.reward!r}; have {sorted(self.rewards)}"
+            )
+        self.executions += 1
+        try:
+            return reward.score(item.completion, item.spec)
+        except InvalidSpec as exc:
+            return RewardResult.invalid(str(exc))
+        except Exception as exc:  # a bug or a crash in a reward function is infra
+            log.exception("reward %s failed", item.reward)
+            tail = "".join(traceback.format_exception_only(exc)).strip()
+            return RewardResult.infra(f"reward function {item.reward!r} raised: {tail}")
+
+    async def score(self, item: ScoreItem) -> RewardResult:
+        fingerprint = _fingerprint(item)
+        known = self.tasks.get(item.id)
+        if known is not None:
+            if known[0] != fingerprint:
+                return RewardResult.invalid(f"id {item.id!r} was already used for another item")
+            return await asyncio.shield(known[1])
+        loop = asyncio.get_running_loop()
+        # A task, not a bare await: if this request is cancelled (client gone), the
+        # execution still finishes and its result waits for the retry.
+        task = asyncio.ensure_future(loop.run_in_executor(self.pool, self.score_sync, item))
+        self.tasks[item.id] = (fingerprint, task)
+        while len(self.tasks) > self.remember:
+            oldest, (_, old_task) = next(iter(self.tasks.items()))
+            if not old_task.done():
+                break
+            del self.tasks[oldest]
+        return await asyncio.shield(task)
+
+    def in_flight(self) -> int:
+        return sum(not task.done() for _, task in self.tasks.values())
+
+
+def create_app(rewards: Mapping[str, RewardFunction], max_concurrency: int) -> FastAPI:
+    scorer = Scorer(rewards, max_concurrency)
+    app = FastAPI(title="moerl reward server")
+    app.state.scorer = scorer
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "rewards": sorted(scorer.rewards),
+            "in_flight": scorer.in_flight(),
+            "max_concurrency": scorer.max_concurrency,
+        }
+
+    @app.post("/score")
+    async def score(batch: ScoreBatch) -> dict[str, Any]:
+        results = await asyncio.gather(*(scorer.score(item) for item in batch.items))
+        return {
+            "results": [
+                {"id": i.id, **r.to_json()} for i, r in zip(batch.items, results, strict=True)
+            ]
+        }
+
+    return app
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="moerl serve reward", description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--max-concurrency", type=int, default=os.cpu_count() or 1)
+    env_dir = os.environ.get(ENV_RENDEZVOUS)
+    parser.add_argument("--rendezvous-dir", type=Path, default=Path(env_dir) if env_dir else None,
+                        help="announce host:port here once healthy (default: from the "
+                        "launcher's environment)")  # fmt: skip
+    parser.add_argument("--reward", action="append", default=[], metavar="NAME=MODULE:ATTR",
+                        help="reward functions to serve (default: the built-in ones)")  # fmt: skip
+    parser.add_argument("--isolation", choices=["strict", "no-cgroups"], default="strict",
+                        help="'no-cgroups' is weaker; see moerl.sandbox.config")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.max_concurrency < 1:
+        parser.error("--max-concurrency must be >= 1")
+    return args
+
+
+def _reward_paths(specs: list[str]) -> dict[str, str]:
+    if not specs:
+        return dict(BUILTIN)
+    paths = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise RewardLoadError(f"--reward {spec!r} must look like NAME=module:attr")
+        paths[name] = BUILTIN.get(path, path)
+    return paths
+
+
+def _announce(server: Any, host: str, rendezvous_dir: Path | None, done: list[Path]) -> None:
+    """Wait until uvicorn listens and /health answers, then publish host:port."""
+    import httpx
+
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    reach = socket.gethostname() if host in ("0.0.0.0", "::") else host
+    httpx.get(f"http://{host if reach == host else '127.0.0.1'}:{port}/health", timeout=10)
+    print(f"reward server listening on {reach}:{port}", flush=True)
+    if rendezvous_dir is not None:
+        index = int(os.environ.get(ENV_INDEX, "0"))
+        done.append(announce(rendezvous_dir, "reward", index, reach, port))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    args = _parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        sandbox = Sandbox(SandboxConfig(isolation=args.isolation))
+        rewards = load_rewards(_reward_paths(args.reward), sandbox)
+    except (SandboxUnavailable, RewardLoadError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(rewards, args.max_concurrency)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    server = uvicorn.Server(config)
+    published: list[Path] = []
+    announcer = threading.Thread(
+        target=_announce, args=(server, args.host, args.rendezvous_dir, published), daemon=True
+    )
+    announcer.start()
+    try:
+        server.run()
+    finally:
+        for path in published:
+            path.unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""The RL loop's collect step for agent episodes (`rl.task_source=agent`).
+
+Per round: pick `rl.prompts_per_step` tasks from the shipped suite (a seeded choice
+per step, so a resumed run picks the same ones), run each `rl.group_size` times
+through the agent scheduler against the rollout servers, with commands in the real
+sandbox, and score every episode with its task's verifier. An episode becomes one
+training sequence (trajectory.py): the prompt, then the model's tokens (loss mask 1,
+the engine's logprobs) interleaved with observations (loss mask 0). Advantages are
+computed per group of the same task, as for single-shot prompts. Infra failures are
+never trained on, only counted; with dynamic sampling, groups whose rewards are all
+equal are dropped and more rounds run, up to `rl.max_generation_rounds`.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from moerl.agent.environment import AgentTask
+from moerl.agent.scheduler import AgentScheduler, SchedulerConfig
+from moerl.agent.suite import SuiteTask, select_tasks
+from moerl.agent.terminal import TerminalEnvironment
+from moerl.agent.trajectory import AgentSample, Trajectory
+from moerl.data.rl_batch import RLSample
+from moerl.data.tokenizer import Tokenizer
+from moerl.observability import StepTimer
+from moerl.rl.config import AgentTasksConfig, RLConfig
+from moerl.rl.scoring import advantages
+from moerl.sandbox import Sandbox, SandboxConfig
+from moerl.typed_config import ConfigError
+
+if TYPE_CHECKING:
+    from moerl.rl.loop import Batch, Controller
+
+
+def pick_tasks(tasks: Sequence[SuiteTask], count: int, seed: int) -> list[AgentTask]:
+    """`count` tasks drawn without replacement (cycling when count exceeds the suite)."""
+    rng = random.Random(seed)
+    order: list[SuiteTask] = []
+    while len(order) < count:
+        order += rng.sample(list(tasks), len(tasks))
+    return [t.task for t in order[:count]]
+
+
+def group_samples(groups: Sequence[Sequence[Trajectory]], cfg: RLConfig,
+                  loss_on_truncated_context: bool) -> list[RLSample]:  # fmt: skip
+    """Training samples with group advantages; infra failures and episodes without a
+    single loss token are left out of their group (fewer than 2 left: no group)."""
+    out: list[RLSample] = []
+    for gid, group in enumerate(groups):
+        records: list[AgentSample] = []
+        for traj in group:
+            if traj.is_infra_failure:
+                continue
+            rec = traj.to_record(loss_on_truncated_context=loss_on_truncated_context)
+            if any(rec.loss_mask):
+                records.append(rec)
+        if len(records) < 2:
+            continue
+        rewards = torch.tensor([[r.reward for r in records]], dtype=torch.float32)
+        for rec, adv in zip(records, advantages(rewards, cfg.advantage)[0].tolist(), strict=True):
+            out.append(rec.to_rl_sample(advantage=float(adv), group_id=gid))
+    return out
+
+
+def informative(group: Sequence[Trajectory]) -> bool:
+    rewards = [t.reward for t in group if t.reward is not None]
+    return len(rewards) >= 2 and max(rewards) > min(rewards)
+
+
+def episode_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
+    trajs = [t for g in groups for t in g]
+    scored = [t for t in trajs if t.reward is not None]
+    model_tokens = [sum(len(s.token_ids) for s in t.segments if s.role == "model") for t in trajs]
+
+    def mean(values: Sequence[float]) -> float:
+        return statistics.fmean(values) if values else 0.0
+
+    return {
+        "reward/mean": mean([t.reward for t in scored if t.reward is not None]),
+        "reward/pass_rate": mean([t.reward == 1.0 for t in scored]),
+        "reward/infra_errors": float(len(trajs) - len(scored)),
+        "rollout/response_length": mean(model_tokens),
+        "rollout/informative_groups": float(sum(informative(g) for g in groups)),
+        "agent/turns": mean([t.model_turns for t in trajs]),
+        "agent/episode_tokens": mean([t.num_tokens for t in trajs]),
+        "agent/submitted": mean([t.status == "submitted" for t in trajs]),
+        "agent/env_faults": float(sum(t.env_faults for t in trajs)),
+        "agent/truncations": float(sum(len(t.truncations) for t in trajs)),
+    }
+
+
+class AgentCollector:
+    """`collector(ctl, cfg, step) -> Batch`: the loop's collect over agent episodes."""
+
+    def __init__(self, tasks: Sequence[SuiteTask], sandbox: Sandbox, tokenizer: Tokenizer,
+                 config: AgentTasksConfig) -> None:  # fmt: skip
+        if not tasks:
+            raise ValueError("rl.agent: no tasks selected")
+        self.tasks, self.sandbox = list(tasks), sandbox
+        self.tokenizer, self.config = tokenizer, config
+        self.last_groups: list[list[Trajectory]] = []
+        """The groups the last call trained on (for inspection and tests)."""
+
+    def _scheduler_config(self, cfg: RLConfig, seed: int) -> SchedulerConfig:
+        a = self.config
+        return SchedulerConfig(
+            max_turns=a.max_turns, max_concurrency=a.max_concurrency,
+            context_tokens=a.context_tokens, max_new_tokens=a.max_new_tokens,
+            max_observation_tokens=a.max_observation_tokens,
+            max_episode_tokens=a.max_episode_tokens, temperature=cfg.sampling.temperature,
+            seed=seed, compact_tools=a.compact_tools,
+        )  # fmt: skip
+
+    def __call__(self, ctl: Controller, cfg: RLConfig, step: int) -> Batch:
+        from moerl.rl.loop import Batch
+
+        timer, kept, seen = StepTimer(), list[list[Trajectory]](), list[list[Trajectory]]()
+        for round_ in range(cfg.max_generation_rounds):
+            seed = (cfg.seed * 100_003 + step) * 101 + round_
+            tasks = pick_tasks(self.tasks, cfg.prompts_per_step, seed)
+            episodes = [t for t in tasks for _ in range(cfg.group_size)]
+            env = lambda: TerminalEnvironment(self.sandbox)  # noqa: E731
+            scheduler = AgentScheduler(ctl.engines, env, self.tokenizer,
+                                       self._scheduler_config(cfg, seed))
+            with timer.phase("rollout"):
+                trajs = scheduler.run(episodes)
+            groups = [trajs[i : i + cfg.group_size] for i in range(0, len(trajs), cfg.group_size)]
+            seen += groups
+            kept += [g for g in groups if informative(g)] if cfg.dynamic_sampling else groups
+            if len(kept) >= cfg.prompts_per_step or not cfg.dynamic_sampling:
+                break
+        kept = self.last_groups = kept[: cfg.prompts_per_step]
+        samples = group_samples(kept, cfg, self.config.loss_on_truncated_context)
+        return Batch(samples, {**episode_metrics(seen), **timer.as_metrics()})
+
+
+def build_agent_collector(cfg: RLConfig, max_positions: int, tokenizer: Tokenizer,
+                          sandbox: Sandbox | None = None) -> AgentCollector:  # fmt: skip
+    """The collector for `rl.task_source=agent`; limits that cannot fit the model fail
+    here, naming the field."""
+    a = cfg.agent
+    if a.max_episode_tokens > max_positions:
+        raise ConfigError(
+            f"rl.agent.max_episode_tokens ({a.max_episode_tokens}) exceeds "
+            f"model.max_position_embeddings ({max_positions}): the trainer forwards whole "
+            "episodes; lower rl.agent.max_episode_tokens"
+        )
+    tasks = select_tasks(a.tasks, a.categories)
+    return AgentCollector(tasks, sandbox or Sandbox(SandboxConfig(isolation=a.isolation)),
+                          tokenizer, a)  # fmt: skip

@@ -1,0 +1,233 @@
+"""The rollout engine seam, and the engine that serves the Megatron model itself.
+
+`MegatronEngine` generates with the trainer's own `GPTModel` (built by
+`models.build`, weights read by `models.weights`), so there is no conversion
+between what is trained and what is served. The backend is chosen at run time:
+Megatron's dynamic engine (paged KV cache, continuous batching) where a GPU with
+flash attention is present, the static-context decoder elsewhere.
+
+Generation and weight loading take the same lock: a batch is produced entirely
+by one set of weights, and every `Sample` names that version.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+import torch
+from megatron.core.models.gpt import GPTModel
+
+from moerl.data.tokenizer import Tokenizer
+from moerl.models.arch import MoEArch
+from moerl.rollout.dynamic_decode import DynamicDecoder, dynamic_missing
+from moerl.rollout.sampling import RowSampling
+from moerl.rollout.speculative.config import SpeculativeConfig
+from moerl.rollout.speculative_decode import SpeculativeDecoder
+from moerl.rollout.static_decode import DecodeRow, StaticDecoder
+from moerl.rollout.types import GenerationRequest, LogprobMode, RequestError, Sample
+
+log = logging.getLogger(__name__)
+
+Backend = Literal["auto", "static", "dynamic"]
+
+
+class RolloutEngine(Protocol):
+    """Anything that turns prompts into sampled completions from versioned weights."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
+        """One group of `request.sampling.n` samples per request, in order."""
+        ...
+
+    def load_weights(self, path: str | Path, version: int) -> None: ...
+
+
+class WeightLoadError(RuntimeError):
+    """A weight update failed; the previous weights and version are still served."""
+
+
+class EngineBroken(RuntimeError):
+    """The weights are in an unknown state (a failed update could not be undone)."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    max_batch: int = 32  # rows (prompt x sample) per forward
+    backend: Backend = "auto"
+    logprob_mode: LogprobMode = "policy"  # default for requests that do not say
+    # Drafts verified by the policy (static backend); samples keep the policy's distribution.
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+
+class MegatronEngine:
+    """`RolloutEngine` on one `GPTModel` held by this process (TP = PP = 1)."""
+
+    def __init__(self, model: GPTModel, tokenizer: Tokenizer, max_sequence_length: int,
+                 options: EngineOptions | None = None, weight_version: int = 0,
+                 weights_path: str | Path | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_sequence_length = max_sequence_length
+        self.options = options or EngineOptions()
+        self._version = weight_version
+        self._weights_path = Path(weights_path) if weights_path is not None else None
+        self._lock = threading.Lock()
+        self.broken: str | None = None
+        backend = self.options.backend
+        if backend == "auto" and self.options.speculative.enabled:
+            backend = "static"  # Megatron's dynamic engine has its own (MTP) speculation
+        self.backend = self._resolve_backend(backend)
+        eos = tokenizer.eos_id
+        speculative = self.options.speculative
+        if speculative.enabled and self.backend == "dynamic":
+            raise ValueError("speculative decoding runs on the static backend; set "
+                             "backend='static' or speculative.mode='none'")
+        self._decoder: StaticDecoder | DynamicDecoder | SpeculativeDecoder
+        if speculative.enabled:
+            self._decoder = SpeculativeDecoder(model, eos, tokenizer.decode, speculative)
+        elif self.backend == "dynamic":
+            self._decoder = DynamicDecoder(
+                model, eos, tokenizer.decode, tokenizer.encode, self.options.max_batch,
+                max_sequence_length, self.options.logprob_mode)
+        else:
+            self._decoder = StaticDecoder(model, eos, tokenizer.decode)
+        model.eval()
+
+    @staticmethod
+    def _resolve_backend(backend: Backend) -> Literal["static", "dynamic"]:
+        if backend == "auto":
+            missing = dynamic_missing()
+            if missing is not None:
+                log.info("rollout backend: static KV-cache decoder (dynamic engine: %s)", missing)
+                return "static"
+            return "dynamic"
+        return backend
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def check(self, request: GenerationRequest) -> None:
+        """Reject what this model cannot serve before it reaches a batch."""
+        prompt, params = request.prompt_token_ids, request.sampling
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) + params.max_tokens > self.max_sequence_length:
+            raise RequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context of {self.max_sequence_length} tokens"
+            )
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
+        for request in requests:
+            self.check(request)
+        rows: list[list[DecodeRow]] = []
+        for request in requests:
+            seed = request.sampling.seed
+            seed = secrets.randbits(62) if seed is None else seed
+            rows.append([
+                DecodeRow(list(request.prompt_token_ids),
+                          RowSampling.make(request.sampling, seed, i))
+                for i in range(request.sampling.n)
+            ])
+        with self._lock:
+            if self.broken is not None:
+                raise EngineBroken(self.broken)
+            version = self._version
+            flat = [row for group in rows for row in group]
+            # Similar prompt lengths share a forward: fewer steps spent reading prompts.
+            flat.sort(key=lambda r: len(r.prompt))
+            for i in range(0, len(flat), self.options.max_batch):
+                self._decoder.decode(flat[i : i + self.options.max_batch])
+        return [[self._sample(row, version) for row in group] for group in rows]
+
+    @staticmethod
+    def _sample(row: DecodeRow, version: int) -> Sample:
+        assert row.finish_reason is not None
+        return Sample(
+            prompt_token_ids=tuple(row.prompt),
+            token_ids=tuple(row.token_ids),
+            logprobs=tuple(row.logprobs),
+            finish_reason=row.finish_reason,
+            weight_version=version,
+            text=row.text,
+            speculation=row.speculation,
+        )
+
+    def load_weights(self, path: str | Path, version: int) -> None:
+        """Swap in the weights at `path` (a `models.weights` checkpoint) as `version`.
+
+        A failed load leaves the old weights and version: they are read back from
+        their own checkpoint (or from a host copy when they were a random init).
+        """
+        from moerl.models.weights import load_weights
+        from moerl.models.weights_marker import is_complete
+
+        path = Path(path)
+        if not is_complete(path):
+            raise FileNotFoundError(f"{path} is not a complete weights checkpoint")
+        with self._lock:
+            backup = None
+            if self._weights_path is None:
+                backup = {k: v.detach().to("cpu", copy=True)
+                          for k, v in self.model.state_dict().items() if torch.is_tensor(v)}
+            try:
+                load_weights([self.model], path)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # torch's CheckpointException is a BaseException
+                self._restore(backup)
+                raise WeightLoadError(f"loading {path} as version {version} failed: "
+                                      f"{str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
+            self._weights_path, self._version = path, version
+            self.model.eval()
+
+    def _restore(self, backup: dict[str, torch.Tensor] | None) -> None:
+        from moerl.models.weights import load_weights
+
+        try:
+            if backup is not None:
+                self.model.load_state_dict(backup, strict=False)
+            elif self._weights_path is not None:
+                load_weights([self.model], self._weights_path)
+        except BaseException as exc:  # the model now holds a mix of two versions
+            self.broken = f"weight update failed and the old weights could not be restored: {exc}"
+            raise EngineBroken(self.broken) from exc
+
+
+def build_engine(preset: str | MoEArch, tokenizer: Tokenizer, *,
+                 weights: str | Path | None = None,
+                 seed: int = 0, options: EngineOptions | None = None) -> MegatronEngine:
+    """A one-process engine for model `preset`: weights from `weights` (version 0),
+    or a random init from `seed`."""
+    from moerl.models.arch import get_preset
+    from moerl.models.build import build_model, te_available
+    from moerl.models.weights import load_weights
+    from moerl.parallel.groups import init_parallel
+    from moerl.parallel.layout import ParallelLayout
+
+    arch = get_preset(preset) if isinstance(preset, str) else preset
+    if tokenizer.vocab_size > arch.vocab_size:
+        raise ValueError(
+            f"tokenizer vocabulary ({tokenizer.vocab_size}) is larger than model {arch.name!r}'s "
+            f"({arch.vocab_size})"
+        )
+    layout = ParallelLayout()
+    init_parallel(layout, seed=seed)
+    # On a GPU the model runs in bf16 (as the trainer does with TE): the dynamic
+    # engine's flash attention takes fp16/bf16 only. CPU keeps fp32.
+    cuda = torch.cuda.is_available()
+    (model,) = build_model(arch, layout, te=cuda and te_available(), bf16=cuda)
+    if weights is not None:
+        load_weights([model], weights)
+    return MegatronEngine(model, tokenizer, arch.max_position_embeddings, options,
+                          weights_path=weights)

@@ -1,0 +1,216 @@
+"""`moerl serve rollout`: the Megatron engine behind an OpenAI-compatible HTTP API.
+
+Endpoints: POST /v1/completions, GET /v1/models, GET /health, and
+POST /update_weights {"path": dir, "version": int}. A weight update runs alone on
+the engine (see `batching`); a request that has waited longer than
+`--update-wait` seconds behind an update is answered 503 with Retry-After and
+never from half-loaded weights. Every completion names its weight version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from moerl.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from moerl.models.arch import MoEArch
+from moerl.rendezvous import ENV_INDEX, ENV_RENDEZVOUS
+from moerl.rendezvous import announce as announce_endpoint
+from moerl.rollout.batching import BatchScheduler
+from moerl.rollout.engine import EngineBroken, EngineOptions, MegatronEngine, build_engine
+from moerl.rollout.openai_api import CompletionBody, UpdateBody, to_requests, to_response
+from moerl.rollout.speculative.config import SPECULATIVE_MODES, SpeculativeConfig
+from moerl.rollout.types import LOGPROB_MODES, RequestError
+from moerl.typed_config import from_dict
+
+log = logging.getLogger(__name__)
+
+
+def _error(status: int, message: str, kind: str, **headers: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status, headers=headers)
+
+
+@dataclass
+class ServerState:
+    engine: MegatronEngine
+    scheduler: BatchScheduler
+    model_name: str
+    update_wait_s: float
+
+
+async def _await_generation(state: ServerState, future: Any) -> Any:
+    """The batch's result; None when it waited past the bound behind a weight update."""
+    waiting = asyncio.wrap_future(future)
+    while True:
+        done, _ = await asyncio.wait({waiting}, timeout=0.25)
+        if done:
+            return waiting.result()
+        pending = state.scheduler.pending_update
+        if pending and time.monotonic() - pending[1] > state.update_wait_s and future.cancel():
+            return None
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="moerl rollout server")
+    tokenizer = state.engine.tokenizer
+
+    @app.exception_handler(RequestError)
+    async def bad_request(_: Request, exc: RequestError) -> JSONResponse:
+        return _error(400, str(exc), "invalid_request_error")
+
+    @app.exception_handler(EngineBroken)
+    async def broken(_: Request, exc: EngineBroken) -> JSONResponse:
+        return _error(503, str(exc), "engine_unavailable")
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionBody) -> dict[str, Any] | JSONResponse:
+        if state.engine.broken:
+            return _error(503, state.engine.broken, "engine_unavailable")
+        if body.model not in (None, state.model_name):
+            raise RequestError(f"model: this server serves {state.model_name!r}, "
+                               f"not {body.model!r}")
+        requests = to_requests(body, tokenizer, state.engine.options.logprob_mode)
+        for request in requests:
+            state.engine.check(request)
+        groups = await _await_generation(state, state.scheduler.submit(requests))
+        if groups is None:
+            pending = state.scheduler.pending_update
+            target = pending[0] if pending else "?"
+            return _error(503, f"weights are being updated to version {target}; retry shortly",
+                          "weights_updating", **{"Retry-After": "1"})
+        return to_response(groups, body, state.model_name, tokenizer)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "moerl",
+                "max_model_len": state.engine.max_sequence_length,
+                "weight_version": state.engine.weight_version}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health", response_model=None)
+    async def health() -> dict[str, Any] | JSONResponse:
+        if state.engine.broken:
+            return _error(503, state.engine.broken, "engine_unavailable")
+        pending = state.scheduler.pending_update
+        return {"status": "ok", "weight_version": state.engine.weight_version,
+                "updating_to": pending[0] if pending else None, "backend": state.engine.backend}
+
+    @app.post("/update_weights", response_model=None)
+    async def update_weights(body: UpdateBody) -> dict[str, Any] | JSONResponse:
+        future = state.scheduler.submit_update(body.path, body.version)
+        try:
+            version = await asyncio.wrap_future(future)
+        except FileNotFoundError as exc:
+            return _error(400, str(exc), "invalid_request_error")
+        except Exception as exc:
+            status = 503 if state.engine.broken else 500
+            return _error(status, f"weight update failed, still serving version "
+                          f"{state.engine.weight_version}: {exc}", "update_failed")
+        return {"weight_version": version}
+
+    return app
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="moerl serve rollout", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--model", default="tiny", help="model preset name")
+    p.add_argument("--arch-file", default=None,
+                   help="JSON of the full architecture (the trainer's, overrides included); "
+                        "takes precedence over --model")
+    p.add_argument("--weights", default=None, help="weights directory (default: random init)")
+    p.add_argument("--seed", type=int, default=0, help="random-init seed without --weights")
+    p.add_argument("--rendezvous-dir", default=os.environ.get(ENV_RENDEZVOUS),
+                   help="announce host:port there once healthy (default: from the launcher)")
+    p.add_argument("--index", type=int, default=int(os.environ.get(ENV_INDEX, "0")),
+                   help="this server's number in the rendezvous")
+    p.add_argument("--max-batch", type=int, default=32, help="rows (prompt x sample) per batch")
+    p.add_argument("--batch-wait-ms", type=float, default=50.0,
+                   help="how long a request may wait for others to share its batch")
+    p.add_argument("--backend", choices=("auto", "static", "dynamic"), default="auto")
+    p.add_argument("--speculative", choices=SPECULATIVE_MODES, default="none",
+                   help="draft tokens with n-gram lookup or the MTP head; samples keep the "
+                        "policy's distribution")
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--adaptive-drafts", action="store_true",
+                   help="grow/shrink the draft length with each sample's acceptance")
+    p.add_argument("--logprob-mode", choices=LOGPROB_MODES, default="policy")
+    p.add_argument("--update-wait", type=float, default=30.0,
+                   help="seconds a request may wait behind a weight update before a 503")
+    p.add_argument("--tokenizer", default=None, help="local tokenizer.json (default: bytes)")
+    p.add_argument("--eos-token", default=None, help="EOS token text of --tokenizer")
+    args = p.parse_args(argv)
+    if args.max_batch < 1:
+        p.error("--max-batch must be >= 1")
+    if args.tokenizer and not args.eos_token:
+        p.error("--tokenizer needs --eos-token")
+    return args
+
+
+def _arch(args: argparse.Namespace) -> str | MoEArch:
+    if args.arch_file is None:
+        return str(args.model)
+    data = json.loads(Path(args.arch_file).read_text())
+    return from_dict(MoEArch, data, "model")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    tokenizer: Tokenizer = (
+        HFTokenizer(args.tokenizer, eos_token=args.eos_token) if args.tokenizer
+        else ByteTokenizer()
+    )
+    speculative = SpeculativeConfig(mode=args.speculative, num_draft_tokens=args.num_draft_tokens,
+                                    adaptive=args.adaptive_drafts)
+    options = EngineOptions(args.max_batch, args.backend, args.logprob_mode, speculative)
+    engine = build_engine(_arch(args), tokenizer, weights=args.weights, seed=args.seed,
+                          options=options)
+    scheduler = BatchScheduler(engine, args.max_batch, args.batch_wait_ms / 1000)
+    state = ServerState(engine, scheduler, args.model, args.update_wait)
+    app = create_app(state)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level="warning", timeout_graceful_shutdown=5))
+    published: list[Path] = []
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async def announce() -> None:
+            while not server.started:
+                await asyncio.sleep(0.05)
+            port = server.servers[0].sockets[0].getsockname()[1]
+            log.info("rollout server %s on %s:%d (backend %s, weights v%d)", args.model,
+                     args.host, port, engine.backend, engine.weight_version)
+            if args.rendezvous_dir:
+                published.append(announce_endpoint(
+                    args.rendezvous_dir, "rollout", args.index, args.host, port))
+
+        task = asyncio.create_task(announce())
+        yield
+        # Here, not after `server.run()`: uvicorn re-raises SIGTERM once it has shut down.
+        task.cancel()
+        for path in published:
+            path.unlink(missing_ok=True)
+        scheduler.close()
+
+    app.router.lifespan_context = lifespan
+    server.run()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""Batched KV-cache decoding on Megatron's static inference context (the CPU path).
+
+The model runs through Megatron's own `GPTInferenceWrapper` and
+`StaticInferenceContext` (the pieces `StaticInferenceEngine(legacy=True)` is built
+from); the loop around them is ours because the engine has no per-request seeds,
+per-request sampling settings or stop strings, and here it measured as fast.
+
+Prompts of different lengths share one batch without padding inside the
+sequence: every row sits at the same position `end`. The first forward reads
+the shortest prompt's length for every row; after that one token a step, where a
+row whose prompt is longer keeps reading its own prompt tokens until it reaches
+its end. Positions are therefore the ones a plain forward would use, and the
+result equals an uncached loop. Finished rows are moved to the back of the KV
+cache and no longer fed (the cache reads rows `0..k-1` of whatever batch it is given).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
+    GPTInferenceWrapper,
+)
+from megatron.core.inference.utils import InferenceMode
+from megatron.core.models.gpt import GPTModel
+
+from moerl.rollout.sampling import RowSampling, choose_tokens
+from moerl.rollout.types import FinishReason, SpeculationStats
+
+Detokenize = Callable[[list[int]], str]
+
+
+@dataclass
+class DecodeRow:
+    """One sequence to complete; filled in place by the decoder."""
+
+    prompt: list[int]
+    sampling: RowSampling
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    text: str = ""
+    speculation: SpeculationStats | None = None  # filled by the speculative decoder
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.params.max_tokens
+
+
+def check_stop(row: DecodeRow, eos_id: int | None, detokenize: Detokenize) -> None:
+    """Set `row.finish_reason` (and the stop-cut text) after its newest token."""
+    params = row.sampling.params
+    token = row.token_ids[-1]
+    if token in params.stop_token_ids or (token == eos_id and not params.ignore_eos):
+        row.finish_reason = "stop"
+    elif params.stop:
+        text = detokenize(row.token_ids)
+        hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+        if hits:
+            row.finish_reason = "stop"
+            row.text = text[: min(hits)]
+            return
+    if row.finish_reason is None and len(row.token_ids) >= row.max_tokens:
+        row.finish_reason = "length"
+    if row.finish_reason is not None:
+        row.text = detokenize(row.token_ids)
+
+
+class StaticDecoder:
+    """Decodes a batch of `DecodeRow`s with a fresh KV cache sized to the batch."""
+
+    def __init__(self, model: GPTModel, eos_id: int | None, detokenize: Detokenize) -> None:
+        self.model = model
+        self.eos_id = eos_id
+        self.detokenize = detokenize
+        self.device = next(model.parameters()).device
+
+    def decode(self, rows: list[DecodeRow]) -> None:
+        with torch.inference_mode(), InferenceMode.active():
+            self._decode(rows)
+
+    def _decode(self, rows: list[DecodeRow]) -> None:
+        batch = len(rows)
+        lengths = [len(r.prompt) for r in rows]
+        tokens, context, wrapper, full = open_batch(self.model, rows, self.device)
+        mask, positions = full["attention_mask"], full["position_ids"]
+
+        live = list(range(batch))  # row index held by each KV-cache slot, unfinished rows first
+        fed = batch  # slots 0..fed-1 are fed; the rest hold finished rows
+        start, end = 0, min(lengths)
+        while True:
+            index = torch.tensor(live[:fed], device=self.device)
+            window = {
+                "tokens": tokens[index, start:end],  # [k, s]
+                "position_ids": positions[index, start:end],  # [k, s]
+                "attention_mask": None if mask is None else mask[..., start:end, :end],
+            }
+            logits = wrapper.run_one_forward_step(window)[:, -1, :]  # [k, V], for position `end`
+            if start == 0:
+                context.enable_decode_mode()
+            self._advance(rows, live[:fed], lengths, logits, tokens, end)
+            start, end = end, end + 1
+            unfinished = [r for r in live[:fed] if rows[r].finish_reason is None]
+            if not unfinished:
+                return
+            if fed - len(unfinished) >= max(1, fed // 4):
+                compact_cache(context, live, unfinished)
+                fed = len(unfinished)
+
+    def _advance(
+        self,
+        rows: list[DecodeRow],
+        slots: list[int],
+        lengths: list[int],
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        end: int,
+    ) -> None:
+        """Sample position `end` for rows past their prompt that are still running.
+
+        Rows still reading their prompt draw nothing, so a row's random stream never
+        depends on the other prompts in the batch.
+        """
+        picks = [
+            j for j, r in enumerate(slots) if end >= lengths[r] and rows[r].finish_reason is None
+        ]
+        if not picks:
+            return
+        chosen = [rows[slots[j]] for j in picks]
+        new, logprobs = choose_tokens(logits[picks], [row.sampling for row in chosen])
+        for j, row, token, logprob in zip(picks, chosen, new.tolist(), logprobs.tolist(),
+                                          strict=True):
+            tokens[slots[j], end] = token
+            row.token_ids.append(token)
+            row.logprobs.append(logprob)
+            check_stop(row, self.eos_id, self.detokenize)
+
+
+def open_batch(
+    model: GPTModel, rows: list[DecodeRow], device: torch.device, slack: int = 0
+) -> tuple[torch.Tensor, StaticInferenceContext, GPTInferenceWrapper, dict[str, Any]]:
+    """The token buffer [B, T] (prompts written in), a fresh KV cache for the batch,
+    its wrapper (model in eval mode) and the full-length inputs (mask [1, 1, T, T] or
+    None, positions [B, T]). `slack` extra positions let a step look past the longest
+    completion (speculative decoding feeds drafts there)."""
+    lengths = [len(r.prompt) for r in rows]
+    total = max(n + r.max_tokens for n, r in zip(lengths, rows, strict=True)) + slack
+    tokens = torch.zeros(len(rows), total, dtype=torch.long, device=device)  # [B, T]
+    for i, row in enumerate(rows):
+        tokens[i, : lengths[i]] = torch.tensor(row.prompt, dtype=torch.long)
+    context = StaticInferenceContext(len(rows), total)
+    wrapper = GPTInferenceWrapper(model, context)
+    wrapper.prep_model_for_inference()  # eval mode, context reset to prefill
+    return tokens, context, wrapper, wrapper.prep_inference_input(tokens)
+
+
+def compact_cache(context: StaticInferenceContext, live: list[int], unfinished: list[int]) -> None:
+    """Reorder the KV cache so the unfinished rows take its first slots."""
+    keep = set(unfinished)
+    order = [s for s, r in enumerate(live) if r in keep]
+    order += [s for s, r in enumerate(live) if r not in keep]
+    context.swap_key_value_dict(torch.tensor(order))
+    live[:] = [live[s] for s in order]
