@@ -21,6 +21,8 @@ typecheck: setup
 test: lint typecheck
 	$(VENV)/bin/pytest -q tests
 
+# Full sizes; `make test` runs each benchmark with --smoke
+# (tests/integration/test_benchmarks_smoke.py).
 bench: setup
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
 

@@ -2,11 +2,13 @@
 loop that re-runs the whole sequence for every new token, in the same run.
 
     .venv/bin/python benchmarks/rollout_throughput.py [--new-tokens 32] [--threads 1]
+    .venv/bin/python benchmarks/rollout_throughput.py --smoke   # batches 1 and 2, 2 tokens
 
 The server is a real `moerl serve rollout` process on 127.0.0.1 (random tiny MoE,
-fixed seed); "1 req" sends the B prompts in one call, "conc." sends B one-prompt
-calls at once (the server's batcher groups what has queued), "client" is
-`RolloutClient.generate` (one call for up to 32 prompts, as the RL loop sends them).
+fixed seed), found through the rendezvous directory it announces itself in; "1 req"
+sends the B prompts in one call, "conc." sends B one-prompt calls at once (the
+server's batcher groups what has queued), "client" is `RolloutClient.generate` (one
+call for up to 32 prompts, as the RL loop sends them).
 """
 
 from __future__ import annotations
@@ -17,29 +19,70 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import torch
 
 SEED = 3
-BATCHES = (1, 8, 32)
+TABLE_TITLE = "rollout server throughput"
+SMOKE = {"batches": [1, 2], "new_tokens": 2}
+START_TIMEOUT_S = 180.0  # a shared machine may take minutes to import and build the model
 
 
-def start_server(threads: int, rendezvous: Path) -> subprocess.Popen[bytes]:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--smoke", action="store_true",
+                        help="smallest sizes: checks that the benchmark runs end to end")
+    # Smoke sizes replace the defaults only, so explicit options still win.
+    if parser.parse_known_args(argv)[0].smoke:
+        parser.set_defaults(**SMOKE)
+    return parser.parse_args(argv)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@contextmanager
+def rollout_server(threads: int, max_batch: int, rendezvous: Path) -> Iterator[Callable[[], str]]:
+    """Start a rollout server process; yields a call that waits until it has announced
+    itself and returns its URL, so the caller can work while the server starts."""
+    from moerl.rendezvous import discover
+
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moerl.rollout.server", "--port", "0", "--seed", str(SEED),
-         "--max-batch", "32", "--rendezvous-dir", str(rendezvous)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 180
-    while not (rendezvous / "rollout-0").exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("rollout server did not start")
-        time.sleep(0.2)
-    return proc
+    log = rendezvous / "server.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moerl.rollout.server", "--host", "127.0.0.1",
+             "--port", "0", "--seed", str(SEED), "--max-batch", str(max_batch),
+             "--rendezvous-dir", str(rendezvous)],
+            env=env, stdout=subprocess.DEVNULL, stderr=err,
+        )
+
+    def alive() -> None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"rollout server exited ({proc.returncode}):\n{_tail(log)}")
+
+    def url() -> str:
+        (address,) = discover(rendezvous, "rollout", 1, START_TIMEOUT_S, check=alive)
+        return f"http://{address}"
+
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def prompts(batch: int, length: int = 12) -> list[list[int]]:
@@ -60,8 +103,10 @@ def server_tokens_per_s(url: str, batch: int, new: int, concurrent: bool) -> flo
         else:
             replies = [http.post(f"{url}/v1/completions", json={"prompt": items, **body})]
     elapsed = time.perf_counter() - start
+    for reply in replies:
+        reply.raise_for_status()
     tokens = sum(len(c["token_ids"]) for r in replies for c in r.json()["choices"])
-    assert tokens == batch * new
+    assert tokens == batch * new, f"{tokens} tokens generated, {batch * new} asked for"
     return tokens / elapsed
 
 
@@ -90,43 +135,45 @@ def no_cache_tokens_per_s(model: torch.nn.Module, batch: int, new: int) -> float
     return batch * new / (time.perf_counter() - start)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+def print_table(url: str, model: torch.nn.Module, args: argparse.Namespace) -> None:
+    print(f"{TABLE_TITLE}: tiny MoE, 12-token prompts, {args.new_tokens} new tokens, "
+          f"{args.threads} thread(s); generated tokens/s")
+    print(f"{'batch':>5} {'no-cache loop':>14} {'1 req':>7} {'conc.':>7} {'client':>7}"
+          f" {'ratio 1 req':>12} {'ratio conc.':>12} {'ratio client':>13}")
+    for batch in args.batches:
+        base = no_cache_tokens_per_s(model, batch, args.new_tokens)
+        one = server_tokens_per_s(url, batch, args.new_tokens, concurrent=False)
+        conc = server_tokens_per_s(url, batch, args.new_tokens, concurrent=True)
+        via = client_tokens_per_s(url, batch, args.new_tokens)
+        print(f"{batch:>5} {base:>14.0f} {one:>7.0f} {conc:>7.0f} {via:>7.0f}"
+              f" {one / base:>11.2f}x {conc / base:>11.2f}x {via / base:>12.2f}x")
 
+
+def local_model() -> torch.nn.Module:
+    """The server's model (same preset and seed) in this process, for the baseline loop."""
     from moerl.models.arch import TINY
     from moerl.models.build import build_model
-    from moerl.parallel.groups import destroy_parallel, init_parallel
+    from moerl.parallel.groups import init_parallel
     from moerl.parallel.layout import ParallelLayout
 
     init_parallel(ParallelLayout(), seed=SEED)
     (model,) = build_model(TINY, ParallelLayout())
-    model.eval()
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = start_server(args.threads, Path(tmp))
-        url = f"http://{(Path(tmp) / 'rollout-0').read_text().strip()}"
-        try:
-            server_tokens_per_s(url, 2, 4, concurrent=False)  # warm-up
-            no_cache_tokens_per_s(model, 2, 2)
-            print(f"tiny MoE, 12-token prompts, {args.new_tokens} new tokens, "
-                  f"{args.threads} thread(s); generated tokens/s")
-            print(f"{'batch':>5} {'no-cache loop':>14} {'1 req':>7} {'conc.':>7} {'client':>7}"
-                  f" {'ratio 1 req':>12} {'ratio conc.':>12} {'ratio client':>13}")
-            for batch in BATCHES:
-                base = no_cache_tokens_per_s(model, batch, args.new_tokens)
-                one = server_tokens_per_s(url, batch, args.new_tokens, concurrent=False)
-                conc = server_tokens_per_s(url, batch, args.new_tokens, concurrent=True)
-                via = client_tokens_per_s(url, batch, args.new_tokens)
-                print(f"{batch:>5} {base:>14.0f} {one:>7.0f} {conc:>7.0f} {via:>7.0f}"
-                      f" {one / base:>11.2f}x {conc / base:>11.2f}x {via / base:>12.2f}x")
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
-    destroy_parallel()
+    return model.eval()
 
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from moerl.parallel.groups import destroy_parallel
+
+    with tempfile.TemporaryDirectory() as tmp, \
+            rollout_server(args.threads, max(args.batches), Path(tmp)) as server_url:
+        model = local_model()  # built while the server starts
+        url = server_url()
+        server_tokens_per_s(url, 2, 4, concurrent=False)  # warm-up
+        no_cache_tokens_per_s(model, 2, 2)
+        print_table(url, model, args)
+    destroy_parallel()
 
 if __name__ == "__main__":
     main()

@@ -2,6 +2,7 @@
 (bubblewrap + cgroups + rlimits + seccomp) against a bare subprocess, in the same run.
 
     .venv/bin/python benchmarks/sandbox_overhead.py [--runs 60]
+    .venv/bin/python benchmarks/sandbox_overhead.py --smoke   # one run of each
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from moerl.sandbox import ExecutionStatus, Sandbox
 
+TABLE_TITLE = "sandbox overhead: sandboxed against bare subprocess"
+NEEDS_EXECUTABLES = ("bwrap",)
+SMOKE = {"runs": 1}
 PROGRAMS = {
     "python3 print": ["/usr/bin/python3", "-I", "-c", "print(1)"],
     "/bin/true": ["/bin/true"],
@@ -39,11 +43,21 @@ def measure(run_one: Callable[[], None], runs: int, concurrency: int) -> tuple[f
     return runs / elapsed, p50, p90
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser()
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=60)
-    args = parser.parse_args(argv)
+    parser.add_argument("--smoke", action="store_true",
+                        help="smallest sizes: checks that the benchmark runs end to end")
+    # Smoke sizes replace the defaults only, so explicit options still win.
+    if parser.parse_known_args(argv)[0].smoke:
+        parser.set_defaults(**SMOKE)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     sandbox = Sandbox()
+    print(TABLE_TITLE)
     print(f"{'program':<15} {'conc':>4} {'mode':<8} {'exec/s':>8} {'p50 ms':>8} {'p90 ms':>8}")
     for name, argv_ in PROGRAMS.items():
         for concurrency in (1, 2):

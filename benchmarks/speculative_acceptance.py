@@ -1,6 +1,7 @@
 """Speculative decoding on the tiny MoE: acceptance as the MTP head goes stale, and speed.
 
     .venv/bin/python benchmarks/speculative_acceptance.py [--warmup 30] [--stale 0 10 20 40]
+    .venv/bin/python benchmarks/speculative_acceptance.py --smoke   # 1 + 1 steps, 4 tokens
 
 The tiny model (one MTP layer) is first trained with moerl's trainer on the
 synthetic corpus (`x[t+1] = x[t] + stride`), MTP loss included (Megatron's GPTModel
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +40,9 @@ from moerl.trainer.lm import batch_iterators
 from moerl.trainer.optimizer import build_optimizer
 from moerl.trainer.step import train_step
 
-SEQ, GLOBAL, MICRO, NEW_TOKENS = 32, 16, 8, 24
+SEQ, GLOBAL, MICRO = 32, 16, 8
+TABLE_TITLE = "MTP drafter acceptance"
+SMOKE = {"warmup": 1, "stale": [0, 1], "new_tokens": 4, "prompts": 2, "speed_batches": [1, 2]}
 
 
 @dataclass(frozen=True)
@@ -59,9 +63,9 @@ def agent_prompts(count: int) -> list[list[int]]:
 
 
 def decode(model: torch.nn.Module, batch: list[list[int]], temperature: float,
-           spec: SpeculativeConfig | None) -> tuple[list[DecodeRow], float, int]:
+           spec: SpeculativeConfig | None, new_tokens: int) -> tuple[list[DecodeRow], float, int]:
     """(rows, seconds, policy forward passes) for one batch."""
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=temperature, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, temperature=temperature, ignore_eos=True)
     rows = [DecodeRow(p, RowSampling.make(params, 7, i)) for i, p in enumerate(batch)]
     calls = [0]
     hook = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
@@ -132,47 +136,63 @@ def staleness(args: argparse.Namespace, freeze: bool) -> list[tuple[float, ...]]
         for target in args.stale:
             loss = run.train(new, target - done)
             done = target
-            greedy = pooled(decode(run.model, prompts(new, 16), 0.0, MTP)[0])
-            sampled = pooled(decode(run.model, prompts(new, 16), 1.0, MTP)[0])
+            batch = prompts(new, args.prompts)
+            greedy = pooled(decode(run.model, batch, 0.0, MTP, args.new_tokens)[0])
+            sampled = pooled(decode(run.model, batch, 1.0, MTP, args.new_tokens)[0])
             rows.append((target, loss, *greedy, *sampled))
         if not freeze:
-            speed(run.model, prompts(new, 8), agent_prompts(8))
+            count = max(args.speed_batches)
+            speed(run.model, prompts(new, count), agent_prompts(count), args)
         return rows
     finally:
         destroy_parallel()
 
 
-def speed(model: torch.nn.Module, task: list[list[int]], agent: list[list[int]]) -> None:
-    print(f"\nspeed (greedy, {NEW_TOKENS} new tokens; fwd/tok = policy forward passes per "
+def speed(model: torch.nn.Module, task: list[list[int]], agent: list[list[int]],
+          args: argparse.Namespace) -> None:
+    new_tokens = args.new_tokens
+    print(f"\nspeed (greedy, {new_tokens} new tokens; fwd/tok = policy forward passes per "
           "generated token of one sample)")
     print(f"{'prompts':8} {'batch':>5} | {'plain tok/s':>11} | {'ngram tok/s':>11} {'x':>5} "
           f"{'fwd/tok':>7} | {'mtp tok/s':>9} {'x':>5} {'fwd/tok':>7}")
-    decode(model, task[:2], 0.0, None)  # warm-up
+    decode(model, task[:2], 0.0, None, new_tokens)  # warm-up
     for name, batch_prompts in (("task", task), ("agent", agent)):
-        for size in (1, 8):
+        for size in args.speed_batches:
             batch = batch_prompts[:size]
             line = f"{name:8} {size:5d} |"
-            _, base, base_calls = decode(model, batch, 0.0, None)
-            tokens = size * NEW_TOKENS
+            _, base, base_calls = decode(model, batch, 0.0, None, new_tokens)
+            tokens = size * new_tokens
             line += f" {tokens / base:11.0f} |"
             for spec in (NGRAM, MTP):
-                _, took, calls = decode(model, batch, 0.0, spec)
+                _, took, calls = decode(model, batch, 0.0, spec, new_tokens)
                 line += f" {tokens / took:{11 if spec is NGRAM else 9}.0f} {base / took:5.2f}"
-                line += f" {calls / NEW_TOKENS:7.2f} |"
-            print(line + f"  (plain: {base_calls / NEW_TOKENS:.2f} fwd/tok)")
+                line += f" {calls / new_tokens:7.2f} |"
+            print(line + f"  (plain: {base_calls / new_tokens:.2f} fwd/tok)")
 
 
-def main() -> None:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--stale", type=int, nargs="+", default=[0, 10, 20, 40])
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per acceptance batch")
+    parser.add_argument("--speed-batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="smallest sizes: checks that the benchmark runs end to end")
+    # Smoke sizes replace the defaults only, so explicit options still win.
+    if parser.parse_known_args(argv)[0].smoke:
+        parser.set_defaults(**SMOKE)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     results = {}
     for freeze in (False, True):
         results[freeze] = staleness(args, freeze)
-    print(f"\nMTP drafter ({MTP.num_draft_tokens} drafts) after {args.warmup} steps on the "
+    print(f"\n{TABLE_TITLE} ({MTP.num_draft_tokens} drafts) after {args.warmup} steps on the "
           "old task, then N steps on the new one")
     print(f"{'N':>4} | {'MTP':7} {'loss':>6} {'greedy acc':>10} {'len':>5} {'T=1 acc':>8} "
           f"{'len':>5}")

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from package_graph import SRC
 
 _IMPORT_ONLY = """
