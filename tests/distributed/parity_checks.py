@@ -150,8 +150,9 @@ def compare_with_checkpoint(model: list[Any], directory: Path, own: Tensors) -> 
     merged: dict[str, float] = {}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, rows)
-    for part in gathered:
-        merged.update(part)
+    for part in gathered:  # ranks that share a place (CP, expert-DP) hold the same tensors
+        for key, value in part.items():
+            merged[key] = max(value, merged.get(key, 0.0))
     worst = max(merged, key=lambda k: merged[k])
     return {"relative": merged, "worst": worst, "worst_value": merged[worst],
             "tensors": len(merged)}
@@ -169,7 +170,8 @@ def _place() -> str:
     from megatron.core import parallel_state as ps
 
     return (f"pp{ps.get_pipeline_model_parallel_rank()} tp{ps.get_tensor_model_parallel_rank()}"
-            f" ep{ps.get_expert_model_parallel_rank()} dp{ps.get_data_parallel_rank()}")
+            f" ep{ps.get_expert_model_parallel_rank()} cp{ps.get_context_parallel_rank()}"
+            f" dp{ps.get_data_parallel_rank()}")
 
 
 class RoutingMargins:
