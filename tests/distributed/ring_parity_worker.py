@@ -6,9 +6,10 @@ Modes (rank 0 writes JSON to --out):
   whole sequence in one process, outputs and input gradients, for standard and
   MLA-shaped heads, with and without packed documents.
 - model: the tiny MoE (MLA, or a GQA variant) loaded from --ckpt (written first with
-  --save) under --layout, 3 Adam steps on the synthetic corpus; the losses and
-  gradient norms, and the first step's gradient of every parameter written, whatever
-  the layout, as a layout-free weights checkpoint (--grads) by `save_gradients`.
+  --save) under --layout, 3 Adam steps (`parity_checks.PARITY_OPTIM`) on the synthetic
+  corpus; the losses, gradient norms and smallest top-k routing margin, and the first
+  step's gradient of every parameter written, whatever the layout, as a layout-free
+  weights checkpoint (--grads) by `parity_checks.save_gradients`.
 - model --documents packed|split: one step on packed rows of several documents each
   (document boundaries through `Batch.cu_seqlens`), or on the same documents one per
   row (padded); the loss and gradients must agree, the split run being plain
@@ -23,10 +24,13 @@ import argparse
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 # name -> (qk head dim, v head dim, heads, cu_seqlens as a list or None); T = 16, b = 2
 CASES: dict[str, tuple[int, int, int, Any]] = {
@@ -36,6 +40,9 @@ CASES: dict[str, tuple[int, int, int, Any]] = {
     "mla_packed_per_row": (12, 8, 2, [[0, 5, 11, 16], [0, 7, 16, 16]]),
 }
 SEQ_LENGTH, GLOBAL_BATCH, MICRO_BATCH, STEPS = 32, 8, 2, 3
+# The model runs' corpus seed: with it both references decide every top-k routing choice
+# by more than 1.6e-5 (parity_checks.MARGIN_FLOOR); with 7 a GQA choice was within 6.6e-7.
+CORPUS_SEED = 2
 # Packed rows of SEQ_LENGTH tokens: the lengths of their documents.
 PACKED_ROWS = ((5, 11, 16), (9, 7, 10, 6), (32,), (3, 13, 8, 8))
 
@@ -138,30 +145,15 @@ def document_batches(vocab: int, packed: bool, cp_rank: int, cp: int) -> list[An
     return [batch(single[i : i + MICRO_BATCH], None) for i in range(0, len(single), MICRO_BATCH)]
 
 
-def save_gradients(model: list[torch.nn.Module], directory: Path) -> None:
-    """Write every parameter's gradient as if it were the weights (all ranks together):
-    loading the directory under any layout gives the whole gradient of each parameter."""
-    from moerl.models.weights import save_weights
-
-    params = [p for chunk in model for p in chunk.parameters()]
-    kept = [p.detach().clone() for p in params]
-    with torch.no_grad():
-        for p in params:
-            p.copy_(p.main_grad)
-        save_weights(model, directory)
-        for p, weights in zip(params, kept, strict=True):
-            p.copy_(weights)
-
-
 def _run_model(args: argparse.Namespace) -> dict[str, Any]:
     from megatron.core.transformer.moe import moe_logging
+    from parity_checks import PARITY_OPTIM, RoutingMargins, save_gradients
 
     from moerl.data.synthetic import SyntheticCorpus
     from moerl.models.build import build_model
     from moerl.models.weights import load_weights, save_weights
     from moerl.parallel.groups import destroy_parallel, init_parallel
     from moerl.parallel.layout import ParallelLayout
-    from moerl.trainer.config import OptimConfig
     from moerl.trainer.lm import batch_iterators
     from moerl.trainer.optimizer import build_optimizer
     from moerl.trainer.step import train_step
@@ -180,8 +172,10 @@ def _run_model(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(99)  # the loaded weights must not depend on this
     chunks = build_model(arch, layout)
     load_weights(chunks, args.ckpt)
-    trainable = build_optimizer(chunks, OptimConfig(lr=1e-2, clip_grad=1.0), layout)
-    corpus = SyntheticCorpus(arch.vocab_size, SEQ_LENGTH, seed=7)
+    trainable = build_optimizer(chunks, PARITY_OPTIM, layout)  # see PARITY_OPTIM
+    margins = RoutingMargins()
+    margins.install()
+    corpus = SyntheticCorpus(arch.vocab_size, SEQ_LENGTH, seed=CORPUS_SEED)
     losses, norms = [], []
     for step in range(1 if args.documents else STEPS):
         batches: Any = batch_iterators(corpus, step, groups, GLOBAL_BATCH, MICRO_BATCH)
@@ -197,15 +191,17 @@ def _run_model(args: argparse.Namespace) -> dict[str, Any]:
             trainable.optimizer,
             batches,  # already this CP rank's share of each sequence
             num_microbatches=micro,
-            micro_batch_size=MICRO_BATCH, seq_length=SEQ_LENGTH // layout.cp,
+            micro_batch_size=MICRO_BATCH, seq_length=SEQ_LENGTH,
             scheduler=trainable.scheduler,
         )
         if step == 0:  # gradients are final (reduced over DP x CP, TP, EP) after the step
             save_gradients(list(trainable.model), args.grads)
         losses.append(metrics.loss)
         norms.append(metrics.grad_norm)
+    margin = margins.global_smallest()
     destroy_parallel()
-    return {"layout": layout.describe(), "losses": losses, "grad_norms": norms}
+    return {"layout": layout.describe(), "losses": losses, "grad_norms": norms,
+            "margin": margin}
 
 
 def _run_compare(args: argparse.Namespace) -> dict[str, Any]:

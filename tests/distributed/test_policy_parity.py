@@ -2,10 +2,11 @@
 
 A single process builds the tiny MoE from a seed, saves it, and computes the completion
 logprobs of fixed samples, one GRPO update (KL and entropy terms on) and the logprobs
-after it: the reference. TP2+SP, EP2 (with DP2), PP2 and CP2 then load those weights under
-torchrun (gloo) and must give the same logprobs (1e-5), the same update loss and
-gradient norm (1e-5), and the same logprobs after the update. CP2 runs the ring attention
-on each rank's half of every row and gathers the logprobs back for the objective.
+after it: the reference. TP2+SP, EP2 (with DP2), PP2, CP2, CP2·PP2 and TP2·EP2 with
+expert-TP 2 then load those weights under torchrun (gloo) and must give the same
+logprobs (1e-5), the same update loss and gradient norm (1e-5), and the same logprobs
+after the update. CP2 runs the ring attention on each rank's half of every row and
+gathers the logprobs back for the objective.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "ep2": (2, {"ep": 2}),
     "pp2": (2, {"pp": 2}),
     "cp2": (2, {"cp": 2}),
+    "cp2_pp2": (4, {"cp": 2, "pp": 2}),
+    "tp2_ep2_etp2": (4, {"tp": 2, "ep": 2, "etp": 2}),
 }
 
 

@@ -9,13 +9,17 @@
   one saved checkpoint and trained 3 Adam steps under CP2, CP4, CP2·TP2 (sequence
   parallel) and CP2·EP2 with ring attention gives the same losses, gradient norms
   and first-step gradient of every parameter (gathered across TP and EP shards
-  through a layout-free checkpoint) as one process with Megatron's local attention.
+  through a layout-free checkpoint; each within 1e-5 of the parameter's largest
+  entry) as one process with Megatron's local attention. The Adam steps use
+  `parity_checks.PARITY_OPTIM`, under which fp32 noise stays rounding-sized, so every
+  step is compared to 1e-5 relative (see test_parity.py for why).
 - packed: rows packing several documents (boundaries in `Batch.cu_seqlens`) under CP2
   and CP4 give the loss and gradients of the same documents one per row, unpacked.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from parity_checks import MARGIN_FLOOR
 from ring_parity_worker import CASES
 from worker_launch import run_worker
 
@@ -80,24 +85,37 @@ def test_tiny_model_under_cp_matches_single_process(
     grads = run_worker(WORKER, 1, [
         "--mode", "compare", "--arch", arch, "--grads", str(root / "grads"),
         "--other", str(tmp_path / "grads"), "--out", str(compared)], compared)
-    dloss = [abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True)]
-    dnorm = [abs(a - b) for a, b in zip(got["grad_norms"], ref["grad_norms"], strict=True)]
-    diffs = grads["max_abs_diff"]
-    worst = max(diffs, key=diffs.get)
-    print(f"{name} ({got['layout']}): |dloss| {[f'{d:.1e}' for d in dloss]}  |dgrad-norm| "
-          f"{[f'{d:.1e}' for d in dnorm]}  step-1 max|dgrad| {diffs[worst]:.1e} ({worst}) "
-          f"over {len(diffs)} params")
-    # Strict: the first loss and gradients (every parameter's), and the loss after one
-    # Adam step. Later steps are bounded relatively, as in the layout parity test: Adam
-    # turns fp32 summation-order noise (the ring sums the softmax in another order)
-    # in near-zero gradient entries into full-size updates.
-    assert max(dloss[:2]) < TOLERANCE and dnorm[0] < TOLERANCE, (got, ref)
-    assert diffs[worst] < TOLERANCE, worst
-    for step in (1, 2):
-        assert dnorm[step] < 1e-4 * ref["grad_norms"][step], (got, ref)
-    assert dloss[2] < 1e-4 * ref["losses"][2], (got, ref)
+    dloss = [abs(a - b) / b for a, b in zip(got["losses"], ref["losses"], strict=True)]
+    dnorm = [abs(a - b) / b for a, b in zip(got["grad_norms"], ref["grad_norms"], strict=True)]
+    relative = relative_diffs(grads)
+    worst = max(relative, key=relative.__getitem__)
+    print(f"{name} ({got['layout']}): relative |dloss| {[f'{d:.1e}' for d in dloss]}  "
+          f"|dgrad-norm| {[f'{d:.1e}' for d in dnorm]}  step-1 max|dgrad| / max|grad| "
+          f"{relative[worst]:.1e} ({worst}) over {len(relative)} params")
+    # Every step is strict: PARITY_OPTIM keeps fp32 summation-order noise (the ring sums
+    # the softmax in another order) rounding-sized through the Adam steps, and the
+    # reference's routing choices are away from ties (test_reference_routing_is_not_tied).
+    assert max(dloss) < TOLERANCE and max(dnorm) < TOLERANCE, (got, ref)
+    assert relative[worst] < TOLERANCE, worst
     assert max(grads["max_abs"].values()) > 0  # the gradients are there at all
     assert got["losses"][-1] < got["losses"][0]
+
+
+def relative_diffs(grads: Any) -> dict[str, float]:
+    """Per parameter: the largest gradient difference over its largest entry."""
+    out = {}
+    for name, diff in grads["max_abs_diff"].items():
+        scale = grads["max_abs"][name]
+        out[name] = diff / scale if scale else (0.0 if diff == 0 else math.inf)
+    return out
+
+
+@pytest.mark.distributed
+def test_reference_routing_is_not_tied(references: dict[str, tuple[Path, Any]]) -> None:
+    """Every top-k choice of the references is decided by more than fp32 noise could
+    move (see parity_checks.MARGIN_FLOOR), so a correct layout routes alike."""
+    for arch, (_, ref) in references.items():
+        assert ref["margin"] > MARGIN_FLOOR, (arch, ref["margin"])
 
 
 def json_of(layout: dict[str, Any]) -> str:
@@ -135,10 +153,10 @@ def test_packed_documents_under_cp_match_one_document_per_row(
         "--mode", "compare", "--arch", arch, "--grads", str(tmp_path / "split"),
         "--other", str(tmp_path / "packed"), "--out", str(compared)], compared)
     dloss = abs(runs["packed"]["losses"][0] - runs["split"]["losses"][0])
-    diffs = grads["max_abs_diff"]
-    worst = max(diffs, key=diffs.get)
-    print(f"{name}: |dloss| {dloss:.1e}  max|dgrad| {diffs[worst]:.1e} ({worst}) over "
-          f"{len(diffs)} params  loss {runs['packed']['losses'][0]:.4f}")
+    relative = relative_diffs(grads)
+    worst = max(relative, key=relative.__getitem__)
+    print(f"{name}: |dloss| {dloss:.1e}  max|dgrad| / max|grad| {relative[worst]:.1e} "
+          f"({worst}) over {len(relative)} params  loss {runs['packed']['losses'][0]:.4f}")
     assert dloss < TOLERANCE
-    assert diffs[worst] < TOLERANCE, worst
+    assert relative[worst] < TOLERANCE, worst
     assert max(grads["max_abs"].values()) > 0

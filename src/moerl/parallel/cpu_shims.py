@@ -306,6 +306,32 @@ def shim_cp_rotary_split() -> None:
         _set(module, "get_pos_emb_on_this_cp_rank", split)
 
 
+def shim_uneven_gather() -> None:
+    """With expert tensor parallelism (etp > 1) the alltoall dispatcher all-gathers the
+    tokens routed to this rank's experts over the expert-TP group, each rank holding its
+    own number (`gather_from_sequence_parallel_region` with `output_split_sizes`).
+    Megatron passes uneven tensors to `torch.distributed.all_gather`, which NCCL accepts
+    and gloo rejects ("invalid tensor size"). Pad every rank's part to the longest,
+    gather, and cut the padding off. (The reverse, an uneven list reduce-scatter, works
+    on gloo.)"""
+    from megatron.core.tensor_parallel import mappings
+
+    original = mappings._gather_along_first_dim
+
+    def gather(input_: torch.Tensor, group: Any, output_split_sizes: Any = None,
+               use_global_buffer: bool = False) -> torch.Tensor:
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
+
+    _set(mappings, "_gather_along_first_dim", gather)
+
+
 SHIMS: dict[str, Callable[[], None]] = {
     "cp_rotary_split": shim_cp_rotary_split,
     "embedding_sync": shim_embedding_sync,
@@ -318,6 +344,7 @@ SHIMS: dict[str, Callable[[], None]] = {
     "current_device": shim_current_device,
     "streams": shim_streams,
     "split_sizes": shim_split_sizes,
+    "uneven_gather": shim_uneven_gather,
 }
 
 

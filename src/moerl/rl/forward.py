@@ -145,7 +145,7 @@ def run_schedule(
             data_iterator=data,
             model=list(chunks),
             num_microbatches=len(micro),
-            seq_length=t // cp_size,
+            seq_length=t,  # the whole row: Megatron divides by CP (and TP with SP)
             micro_batch_size=b,
             forward_only=forward_only,
         )

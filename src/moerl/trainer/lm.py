@@ -105,7 +105,7 @@ def train_lm(
                     batch_iterators(corpus, step, groups, global_batch, micro_batch),
                     num_microbatches=num_micro,
                     micro_batch_size=micro_batch,
-                    seq_length=seq_length // layout.cp,  # this rank's share
+                    seq_length=seq_length,  # the whole row (see train_step)
                     scheduler=trainable.scheduler,
                 )
                 losses.append(metrics.loss)

@@ -109,7 +109,7 @@ def run_sft(
             data = [make() for _ in range(layout.vpp)] if layout.vpp else make()
             metrics = train_step(
                 trainable.model, trainable.optimizer, data, num_microbatches=num_micro,
-                micro_batch_size=cfg.micro_batch, seq_length=cfg.seq_length // layout.cp,
+                micro_batch_size=cfg.micro_batch, seq_length=cfg.seq_length,
                 scheduler=trainable.scheduler,
             )
             losses.append(metrics.loss)

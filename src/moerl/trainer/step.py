@@ -83,7 +83,10 @@ def train_step(
     """Forward/backward over `num_microbatches`, then one optimizer (and LR) step.
 
     With virtual stages `data_iterator` is a list with one iterator per chunk
-    (each chunk draws its own copy of every micro-batch).
+    (each chunk draws its own copy of every micro-batch). `seq_length` is the whole
+    row's length even under context parallelism: the pipeline schedule sizes the
+    activations it sends between stages as seq_length / CP (/ TP with sequence
+    parallelism), so this rank's share there would make the stages disagree.
     """
     for chunk in model_chunks:
         chunk.zero_grad_buffer()  # type: ignore[operator]
