@@ -18,8 +18,12 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
+# Two pytest workers (pytest-xdist): each test file on one worker, the SLURM tests
+# together (tests/conftest.py); many tests wait on servers and subprocesses.
+TEST_WORKERS ?= 2
+
 test: lint typecheck
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 # Full sizes; `make test` runs each benchmark with --smoke
 # (tests/integration/test_benchmarks_smoke.py).

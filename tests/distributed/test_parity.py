@@ -3,9 +3,10 @@
 A single process builds the model from a seed, saves it with dist_checkpointing
 (torch_dist), reloads it and takes 2 optimizer steps: the reference. It writes the
 whole gradient of every parameter at steps 1 and 2 and the weights and router expert
-biases after step 2. Every layout then runs under torchrun (gloo) from that checkpoint,
-resharded on load, and each rank compares its shards of all of these with the
-reference's (`parity_checks`), along with the losses and gradient norms.
+biases after step 2. Every layout then runs from that checkpoint as torchrun's ranks
+would (gloo; `worker_launch`), resharded on load, and each rank compares its shards of
+all of these with the reference's (`parity_checks`), along with the losses and gradient
+norms.
 
 Decisive on any CPU: a correct layout differs from one process only in the order of
 fp32 sums (micro-batch gradients, data-parallel reduction, TP/EP partial sums). Over all

@@ -1,0 +1,18 @@
+"""How `make test` spreads the suite over two pytest workers (pytest-xdist).
+
+Each test file runs on one worker (its module fixtures, such as a parity reference
+or a shared server, are built once), and every SLURM test shares one worker (one
+local cluster). Many tests wait on servers, sandboxes and subprocesses, so two
+files at a time keep both cores busy.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
