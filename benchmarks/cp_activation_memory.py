@@ -29,6 +29,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from _smoke import parse_with_smoke
+
 TABLE_TITLE = "saved activations per rank, one sequence (tiny MoE, fp32, CPU)"
 # CP4 alone costs more than the rest of the smoke run (four ranks starting on a small
 # machine); CP2 already runs the ring against the CP1 baseline.
@@ -86,13 +88,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
     parser.add_argument("--cp-sizes", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--smoke", action="store_true",
-                        help="smallest sizes: checks that the benchmark runs end to end")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    # Smoke sizes replace the defaults only, so explicit options still win.
-    if parser.parse_known_args(argv)[0].smoke:
-        parser.set_defaults(**SMOKE)
-    args = parser.parse_args(argv)
+    args = parse_with_smoke(parser, SMOKE, argv)
     if 1 not in args.cp_sizes:
         parser.error("--cp-sizes must include 1: the ratios are taken against CP1")
     args.cp_sizes = sorted(set(args.cp_sizes))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from _smoke import parse_with_smoke
 
 SEED = 3
 TABLE_TITLE = "rollout server throughput"
@@ -38,12 +39,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--smoke", action="store_true",
-                        help="smallest sizes: checks that the benchmark runs end to end")
-    # Smoke sizes replace the defaults only, so explicit options still win.
-    if parser.parse_known_args(argv)[0].smoke:
-        parser.set_defaults(**SMOKE)
-    return parser.parse_args(argv)
+    return parse_with_smoke(parser, SMOKE, argv)
 
 
 def _tail(path: Path, lines: int = 30) -> str:

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from _smoke import parse_with_smoke
+
 from moerl.sandbox import ExecutionStatus, Sandbox
 
 TABLE_TITLE = "sandbox overhead: sandboxed against bare subprocess"
@@ -46,12 +48,7 @@ def measure(run_one: Callable[[], None], runs: int, concurrency: int) -> tuple[f
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=60)
-    parser.add_argument("--smoke", action="store_true",
-                        help="smallest sizes: checks that the benchmark runs end to end")
-    # Smoke sizes replace the defaults only, so explicit options still win.
-    if parser.parse_known_args(argv)[0].smoke:
-        parser.set_defaults(**SMOKE)
-    return parser.parse_args(argv)
+    return parse_with_smoke(parser, SMOKE, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from _smoke import parse_with_smoke
 
 from moerl.data.synthetic import SyntheticCorpus
 from moerl.models.arch import TINY
@@ -178,12 +179,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=16, help="prompts per acceptance batch")
     parser.add_argument("--speed-batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--smoke", action="store_true",
-                        help="smallest sizes: checks that the benchmark runs end to end")
-    # Smoke sizes replace the defaults only, so explicit options still win.
-    if parser.parse_known_args(argv)[0].smoke:
-        parser.set_defaults(**SMOKE)
-    return parser.parse_args(argv)
+    return parse_with_smoke(parser, SMOKE, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
