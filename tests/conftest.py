@@ -1,9 +1,10 @@
 """How `make test` spreads the suite over two pytest workers (pytest-xdist).
 
 Each test file runs on one worker (its module fixtures, such as a parity reference
-or a shared server, are built once), and every SLURM test shares one worker (one
-local cluster). Many tests wait on servers, sandboxes and subprocesses, so two
-files at a time keep both cores busy.
+or a shared server, are built once), and, where SLURM tests run under xdist, they
+share one worker (one local cluster). Many tests wait on servers, sandboxes and
+subprocesses, so two files at a time keep both cores busy. `make test` runs the SLURM
+tests afterwards in a pytest of their own (Makefile).
 """
 
 from __future__ import annotations
