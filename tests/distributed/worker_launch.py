@@ -20,7 +20,6 @@ import json
 import multiprocessing
 import os
 import runpy
-import socket
 import sys
 import time
 from multiprocessing.context import ForkServerContext, ForkServerProcess
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from moerl.launchers.local import free_port
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -64,12 +65,6 @@ def _forkserver() -> ForkServerContext:
         context.set_forkserver_preload(PRELOAD)
         _context = context
     return _context
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank_main(script: str, args: list[str], env: dict[str, str], log: str) -> None:
@@ -120,7 +115,7 @@ def run_worker(script: Path, ranks: int, args: list[str], out: Path | None = Non
     """
     context = _forkserver()
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
-    port = _free_port()
+    port = free_port()
     paths = [logs / f"{script.stem}.{os.getpid()}.{port}.rank{r}.log" for r in range(ranks)]
     procs = [context.Process(target=_rank_main,
                              args=(str(script), args, _rank_env(r, ranks, port), str(path)))
