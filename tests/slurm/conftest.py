@@ -42,11 +42,14 @@ class SlurmCluster:
         )
 
     def job_field(self, job_id: int, name: str) -> str:
+        """The field of the job (of a het job: of its leader, shown first); "" if absent."""
+        values = self.job_fields(job_id, name)
+        return values[0] if values else ""
+
+    def job_fields(self, job_id: int, name: str) -> list[str]:
+        """The field of each component of a het job (one value for a plain job)."""
         out = self.run("scontrol", "show", "job", str(job_id), check=False).stdout
-        for word in out.split():
-            if word.startswith(f"{name}="):
-                return word.split("=", 1)[1]
-        return ""
+        return [word.split("=", 1)[1] for word in out.split() if word.startswith(f"{name}=")]
 
 
 def _free_port() -> int:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -164,7 +165,7 @@ class _RunWatch:
         state = cluster.run("scontrol", "show", "job", str(self.job), check=False).stdout
         return "\n".join([
             f"job {self.job}: {state[:2000]}", _tail(self.out, 2000), _tail(self.batch_log()),
-            _tail(self.trainer_log(), 4000),
+            _tail(self.trainer_log(), 4000), _tail(cluster.root / "slurmctld.log", 3000),
         ])  # fmt: skip
 
     def until(self, cond: Callable[[], bool], timeout: float, what: str,
@@ -211,6 +212,24 @@ def test_usr1_checkpoints_requeues_and_resumes(
         print(f"\nUSR1 -> requeue -> resume under SLURM: {time.monotonic() - started:.0f} s")
 
 
+def _release_requeued(watch: _RunWatch, cluster: SlurmCluster, job: int) -> None:
+    """Lift the ~120 s hold SLURM puts on a requeued job, once every component is
+    pending again: the leader (the batch shell) can be requeued seconds after the
+    other components, and a hold lifted before that would apply to only some of them."""
+    watch.until(lambda: set(cluster.job_fields(job, "JobState")) == {"PENDING"}, 120,
+                "every component pending after the requeue", cluster)  # fmt: skip
+
+    def eligible_now() -> bool:
+        now = datetime.now()
+        times = cluster.job_fields(job, "EligibleTime")
+        if times and all(t != "Unknown" and datetime.fromisoformat(t) <= now for t in times):
+            return True
+        cluster.run("scontrol", "update", f"jobid={job}", "starttime=now")
+        return False
+
+    watch.until(eligible_now, 60, "requeued job eligible to start", cluster)
+
+
 def _signal_requeue_resume(watch: _RunWatch, cluster: SlurmCluster) -> None:
     run, ckpts = watch.run, watch.run / "checkpoints"
 
@@ -254,8 +273,7 @@ def _signal_requeue_resume(watch: _RunWatch, cluster: SlurmCluster) -> None:
     assert cluster.job_field(job, "JobState") not in {"COMPLETED", "FAILED", "CANCELLED"}, diag
     assert step < RESUME_STEPS, f"the signal came after the last step; nothing to resume\n{diag}"
 
-    # A requeued job waits ~120 s before it may start again; let it start now.
-    cluster.run("scontrol", "update", f"jobid={job}", "starttime=now")
+    _release_requeued(watch, cluster, job)
     finished = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
     watch.until(lambda: cluster.job_field(job, "JobState") in finished, 600, "job end", cluster)
     diag = watch.diagnostics(cluster)
