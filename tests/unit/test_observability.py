@@ -36,4 +36,4 @@ def test_step_timer_accumulates_phases() -> None:
         pass
     metrics = timer.as_metrics()
     assert metrics["time/rollout"] >= 0.04
-    assert metrics["time/step"] == metrics["time/rollout"] + metrics["time/train"]
+    assert set(metrics) == {"time/rollout", "time/train"}  # the loop measures time/step

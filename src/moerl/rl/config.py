@@ -117,6 +117,11 @@ class RLConfig:
             raise ValueError("rl.steps, rl.prompts_per_step, rl.max_generation_rounds: >= 1")
         if self.max_staleness < 0:
             raise ValueError("rl.max_staleness: must be >= 0")
+        if self.mode == "async" and self.max_staleness == 0:
+            raise ValueError(
+                "rl.max_staleness=0 with rl.mode=async: a batch collected while the previous "
+                "step trains is one weight version old, so every sample would be dropped; "
+                "set rl.max_staleness>=1, or rl.mode=sync for on-policy steps")
         if self.overlong_buffer >= self.sampling.max_tokens and self.overlong_buffer:
             raise ValueError("rl.overlong_buffer: must be smaller than rl.sampling.max_tokens")
         if self.task_source == "agent":

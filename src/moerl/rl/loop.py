@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -130,7 +131,7 @@ def train(cfg: RLConfig, policy: Policy, sync: WeightSync, ctl: Controller | Non
             ctl.logger.log(step, scores)
             print(f"eval at step {step}: pass rate {scores.get('eval/pass_rate', 0):.3f}",
                   flush=True)
-        mine = None
+        started, mine = time.perf_counter(), None
         if ctl is not None:
             mine = producer.next() if producer else collect(ctl, cfg, step)
         batch = drop_stale(_share(mine), step, cfg.max_staleness)
@@ -141,7 +142,8 @@ def train(cfg: RLConfig, policy: Policy, sync: WeightSync, ctl: Controller | Non
             sync.push(policy, step + 1)
         if ctl is not None:
             row = {**batch.metrics, **{f"train/{k}": v for k, v in metrics.items()},
-                   **timer.as_metrics(), "weights/version": float(step + 1)}
+                   **timer.as_metrics(), "weights/version": float(step + 1),
+                   "time/step": time.perf_counter() - started}
             ctl.logger.log(step, row)
             _print_step(step, cfg.steps, row)
         if on_step_end is not None and on_step_end(_step_end(step, ctl, producer)):

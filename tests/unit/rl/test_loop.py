@@ -103,6 +103,17 @@ def test_modes_complete_within_the_staleness_bound(tmp_path: Path, mode: str) ->
     logged = [r for r in rows if "async/staleness_max_trained" in r]
     assert len(logged) == 6 and max(r["async/staleness_max_trained"] for r in logged) <= 1
     assert sum(1 for r in rows if "eval/pass_rate" in r) == 2  # first and last
+    for row in logged:  # the whole step: in sync mode also the collection before training
+        phases = row["time/train"] + row["time/sync"]
+        if mode == "sync":
+            phases += row["time/rollout"] + row["time/reward"]
+        assert row["time/step"] >= phases > 0
+
+
+def test_async_without_staleness_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"rl\.max_staleness=0 with rl\.mode=async"):
+        RLConfig(mode="async", max_staleness=0)
+    assert RLConfig(mode="sync", max_staleness=0).max_staleness == 0
 
 
 def test_infra_errors_are_counted_and_never_trained(tmp_path: Path) -> None:
