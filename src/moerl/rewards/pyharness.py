@@ -8,8 +8,11 @@ tests with the grader and the candidate in separate processes.
       writes one record per test to the
       result channel, which only it holds
 
-The candidate never shares memory with the tests: it cannot read the expected values,
-the nonce or the channel, and what it returns is rebuilt here from plain data, so an
+The candidate is forked from the grader before the grader reads its stdin (the
+tests and the nonce): its copy of the grader's memory holds nothing but this file,
+and it closes stdin and the channel before the program is compiled. So it never
+shares memory with the tests: it cannot read the expected values, the nonce or the
+channel, and what it returns is rebuilt here from plain data, so an
 object whose `==` always returns True cannot reach an assert. Exiting early
 (`exit(0)`, `os._exit(0)`) only leaves tests without a passing record, and printed
 "PASSED" lines go to stdout, which nobody grades. Each top-level statement of `check`
@@ -18,15 +21,23 @@ that contains an assert is one test; the grader outside counts them itself.
 
 from __future__ import annotations
 
+import ast
 import builtins
-import json
+import marshal
 import os
 import struct
 import sys
-from typing import Any
 
-# ast, ctypes and subprocess are imported where the grader needs them: the candidate
-# process starts faster without them. Both run with `-I -S` for the same reason.
+# Start-up time is most of an item's cost, so only modules that cost little are
+# imported (no json, re or typing); ctypes is imported by the grader after the fork.
+# Messages are Python literals: `repr` writes them, `ast.literal_eval` (which builds
+# no object but literals) reads them. The config arrives on stdin as marshal data from
+# the host. The interpreter runs with `-I -S`.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+_CANDIDATE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8"}
 
 _HEADER = struct.Struct(">I")
 _MAX_DEPTH = 200
@@ -44,13 +55,13 @@ def encode(value: Any, depth: int = 0) -> Any:
     if kind is int:
         return ["i", hex(value)]  # hex has no digit limit, unlike str(int)
     if kind is float:
-        return ["f", value]
+        return ["f", value.hex()]  # exact, and inf/nan are literals this way
     if kind is str:
         return ["s", value]
     if kind is bytes:
         return ["y", value.hex()]
     if kind is complex:
-        return ["c", [value.real, value.imag]]
+        return ["c", [value.real.hex(), value.imag.hex()]]
     tags: dict[type, str] = {list: "l", tuple: "t", set: "S", frozenset: "F"}
     if kind in tags:
         return [tags[kind], [encode(v, depth + 1) for v in value]]
@@ -60,8 +71,8 @@ def encode(value: Any, depth: int = 0) -> Any:
 
 
 _SIMPLE: dict[str, Any] = {
-    "N": lambda b: None, "b": bool, "i": lambda b: int(b, 16), "f": float, "s": str,
-    "y": bytes.fromhex, "c": lambda b: complex(float(b[0]), float(b[1])),
+    "N": lambda b: None, "b": bool, "i": lambda b: int(b, 16), "f": float.fromhex, "s": str,
+    "y": bytes.fromhex, "c": lambda b: complex(float.fromhex(b[0]), float.fromhex(b[1])),
 }  # fmt: skip
 _CONTAINERS: dict[str, Any] = {"l": list, "t": tuple, "S": set, "F": frozenset}
 
@@ -79,7 +90,7 @@ def decode(wire: Any) -> Any:
 
 
 def send(fd: int, message: Any) -> None:
-    data = json.dumps(message).encode()
+    data = repr(message).encode()
     os.write(fd, _HEADER.pack(len(data)))
     view = memoryview(data)
     while view:
@@ -97,7 +108,7 @@ def receive(fd: int) -> Any:
         return chunks
 
     (length,) = _HEADER.unpack(exactly(_HEADER.size))
-    return json.loads(exactly(length))
+    return ast.literal_eval(exactly(length).decode())
 
 
 def candidate_main(req_fd: int, resp_fd: int) -> None:
@@ -130,23 +141,35 @@ def candidate_main(req_fd: int, resp_fd: int) -> None:
 class Candidate:
     """The grader's handle on the candidate process; calling it calls the entry point."""
 
-    def __init__(self, source: str, entry_point: str) -> None:
-        import subprocess
-
+    def __init__(self, channel: int) -> None:
+        """Fork the candidate. Call this before reading anything the candidate must not
+        see: the child closes stdin and `channel`, then waits for its program."""
         req_r, self.req_w = os.pipe()
         self.resp_r, resp_w = os.pipe()
-        me = os.path.abspath(__file__)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", me, "candidate", str(req_r), str(resp_w)],
-            stdin=subprocess.DEVNULL, pass_fds=(req_r, resp_w), close_fds=True,
-            env={"PATH": "/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8"},
-        )  # fmt: skip
+        self.pid = os.fork()
+        if self.pid == 0:  # the candidate: nothing untrusted runs before the closes
+            try:
+                os.close(self.req_w)
+                os.close(self.resp_r)
+                os.close(channel)
+                null = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(null, 0)  # stdin carries the grader's config
+                os.close(null)
+                os.environ.clear()
+                os.environ.update(_CANDIDATE_ENV)
+                candidate_main(req_r, resp_w)
+            finally:
+                os._exit(0)
         os.close(req_r)
         os.close(resp_w)
-        send(self.req_w, [source, entry_point])
+        self.state: list[Any] = ["load_error", "candidate not loaded"]
+        self.dead = True
+
+    def load(self, source: str, entry_point: str) -> None:
         try:
+            send(self.req_w, [source, entry_point])
             self.state = receive(self.resp_r)
-        except EOFError:
+        except (EOFError, BrokenPipeError):
             self.state = ["load_error", "candidate exited while loading"]
         self.dead = self.state[0] != "ready"
 
@@ -168,29 +191,30 @@ class Candidate:
 
 
 def grader_main() -> None:
-    import ast
-    import contextlib
     import ctypes
 
-    config = json.loads(sys.stdin.read())
     channel = int(os.environ.pop("MOERL_CHANNEL_FD"))
-    os.set_inheritable(channel, False)  # belt and braces: no child may get the channel
+    os.set_inheritable(channel, False)  # belt and braces: no exec'd child gets the channel
+    candidate = Candidate(channel)  # before stdin is read: see the module's docstring
+    # PR_SET_DUMPABLE = 4: the candidate (same uid) can no longer open our /proc files.
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+    config = marshal.loads(sys.stdin.buffer.read())
     nonce = config["nonce"]
 
     def emit(record: dict[str, Any]) -> None:
-        os.write(channel, (json.dumps({"nonce": nonce, **record}) + "\n").encode())
+        os.write(channel, (repr({"nonce": nonce, **record}) + "\n").encode())
 
-    # PR_SET_DUMPABLE = 4: the candidate (same uid) can no longer open our /proc files.
-    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
     namespace: dict[str, Any] = {"__name__": "__grader__"}
     # Helpers the tests use (e.g. `poly`) come from the trusted prompt, not the model.
-    with contextlib.suppress(BaseException):
+    try:  # noqa: SIM105 (importing contextlib costs start-up time)
         exec(compile(config["prompt"], "<prompt>", "exec"), namespace)
+    except BaseException:  # a prompt that does not run only loses its helpers
+        pass
     module = ast.parse(config["test"])
     check = next(n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == "check")
     exec(compile(ast.Module([n for n in module.body if n is not check], []), "<test>", "exec"),
          namespace)  # fmt: skip
-    candidate = Candidate(config["program"], config["entry_point"])
+    candidate.load(config["program"], config["entry_point"])
     emit({"kind": "load", "state": candidate.state[0], "error": candidate.state[-1][:2000]})
     # As in HumanEval's own runner, the tests may name the entry point directly.
     namespace[check.args.args[0].arg] = namespace[config["entry_point"]] = candidate

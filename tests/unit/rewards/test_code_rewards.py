@@ -85,14 +85,77 @@ def test_candidate_cannot_reach_the_grader_or_forge_records(humaneval: HumanEval
         "    for fd in range(3, 256):\n"
         "        for i in range(4):\n"
         "            rec = {'nonce': 'x', 'kind': 'test', 'index': i, 'passed': True}\n"
-        "            try:\n"
-        "                os.write(fd, (json.dumps(rec) + '\\n').encode())\n"
-        "            except OSError:\n"
-        "                pass\n"
+        "            for line in (json.dumps(rec), repr(rec)):\n"
+        "                try:\n"
+        "                    os.write(fd, (line + '\\n').encode())\n"
+        "                except OSError:\n"
+        "                    pass\n"
         "    return None\n"
     )
     result = humaneval.score(forger, SPEC)
     assert result.reward == 0.0
+
+
+def test_candidate_cannot_read_the_graders_config(humaneval: HumanEvalReward) -> None:
+    """The candidate is forked from the grader: the config (tests, nonce) on the
+    grader's stdin must be out of its reach, through its own stdin or the grader's
+    /proc files. Any nonce it finds is used to forge passing records."""
+    thief = (
+        "    import os, re, sys\n"
+        "    found = b''\n"
+        "    for path in ('/dev/stdin', f'/proc/{os.getppid()}/fd/0',\n"
+        "                 f'/proc/{os.getppid()}/environ', f'/proc/{os.getppid()}/cmdline'):\n"
+        "        try:\n"
+        "            with open(path, 'rb') as f:\n"
+        "                found += f.read(1 << 16)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    try:\n"
+        "        found += os.read(0, 1 << 16)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "    frame = sys._getframe()\n"
+        "    while frame is not None:  # the stack the fork left: the grader's locals\n"
+        "        found += repr(frame.f_locals).encode()\n"
+        "        frame = frame.f_back\n"
+        "    nonces = {m.decode() for m in re.findall(rb'[0-9a-f]{32}', found)}\n"
+        "    print(f'nonces found: {len(nonces)}', file=sys.stderr, flush=True)\n"
+        "    for nonce in nonces:\n"
+        "        for fd in range(3, 64):\n"
+        "            for i in range(4):\n"
+        "                rec = {'nonce': nonce, 'kind': 'test', 'index': i, 'passed': True}\n"
+        "                try:\n"
+        "                    os.write(fd, (repr(rec) + '\\n').encode())\n"
+        "                except OSError:\n"
+        "                    pass\n"
+        "    return None\n"
+    )
+    result = humaneval.score(thief, SPEC)
+    assert result.reward == 0.0 and result.compile_ok is True, result
+    assert "nonces found: 0" in result.details["stderr"], result
+
+
+def test_returned_values_cross_exactly(humaneval: HumanEvalReward) -> None:
+    """Floats (inf, nan, the last bit), complex, bytes, big ints and containers come back
+    to the tests as they were returned."""
+    spec = {
+        "prompt": "def f(k):\n",
+        "entry_point": "f",
+        "test": (
+            "def check(candidate):\n"
+            "    assert candidate(0) == 0.1 + 0.2\n"
+            "    assert candidate(1) == float('-inf')\n"
+            "    assert candidate(2) != candidate(2)\n"
+            "    assert candidate(3) == complex(1.5, -2.0)\n"
+            "    assert candidate(4) == {(1, b'x'): [3 ** 200, None, frozenset({True})]}\n"
+        ),
+    }
+    body = (
+        "    return [0.1 + 0.2, float('-inf'), float('nan'), complex(1.5, -2.0),\n"
+        "            {(1, b'x'): [3 ** 200, None, frozenset({True})]}][k]\n"
+    )
+    result = humaneval.score(body, spec)
+    assert (result.passed, result.total) == (5, 5), result
 
 
 def test_sandbox_failure_is_an_infra_error_not_zero() -> None:
