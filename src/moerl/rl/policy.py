@@ -6,7 +6,9 @@
 
 One update: the samples are split over data-parallel ranks and packed into same-shape
 micro-batches (data.rl_batch); old logprobs (recomputed with the current weights, or the
-rollout's) and reference logprobs come from forward-only passes; the global
+rollout's) and reference logprobs come from forward-only passes, except the first
+minibatch's recomputed old logprobs: the weights have not moved yet, so they are the
+update's own forward, detached (one forward pass fewer per step); the global
 `Denominator` counts loss tokens and sequences over all micro-batches and DP ranks; the
 objective runs per micro-batch inside Megatron's pipeline schedule; one optimizer step.
 
@@ -40,7 +42,7 @@ from moerl.parallel.layout import ParallelLayout
 from moerl.rl.config import PolicyConfig
 from moerl.rl.forward import ForwardHooks, cp_share, forward_logprobs, run_schedule, token_logprobs
 from moerl.rl.losses import Denominator, PolicyLossInputs, PolicyObjective, global_denominator
-from moerl.rl.policy_metrics import logprob_gap, reduce_reports
+from moerl.rl.policy_metrics import gap_metrics, gap_report, reduce_reports
 from moerl.rl.routing import ExpertLoad, RoutingReplay
 from moerl.trainer.config import OptimConfig
 from moerl.trainer.optimizer import Trainable, build_optimizer
@@ -53,10 +55,9 @@ class _Prepared:
     """One optimizer step's micro-batches with everything the loss needs."""
 
     micro: list[RLMicroBatch]
-    old: list[torch.Tensor]  # (B, T) each
+    old: list[torch.Tensor] | None  # (B, T) each; None: the update's own forward, detached
     ref: list[torch.Tensor] | None
     denom: Denominator
-    gap: dict[str, float]  # engine vs trainer logprobs (empty without rollout logprobs)
 
 
 class Policy:
@@ -174,14 +175,17 @@ class Policy:
             raise ValueError(f"{len(samples)} samples cannot make {num_minibatches} minibatches")
         size = -(-len(samples) // num_minibatches)
         parts = [samples[i : i + size] for i in range(0, len(samples), size)]
-        prepared = [self._prepare(part) for part in parts]
+        prepared = [self._prepare(part, first=i == 0) for i, part in enumerate(parts)]
         steps = [self._step(p) for p in prepared]
         return _average(steps)
 
-    def _prepare(self, samples: Sequence[RLSample]) -> _Prepared:
+    def _prepare(self, samples: Sequence[RLSample], first: bool = True) -> _Prepared:
+        """`first`: the step's first minibatch, trained before any weight moves."""
         micro = self.pack(samples)
+        old: list[torch.Tensor] | None = None
         if self.cfg.recompute_old_logprobs:
-            old = [lp for lp, _ in self.logprobs(micro)]
+            if not first:
+                old = [lp for lp, _ in self.logprobs(micro)]
         else:
             if any(mb.rollout_logprobs is None for mb in micro):
                 raise ValueError("recompute_old_logprobs=False needs rollout logprobs")
@@ -189,20 +193,15 @@ class Policy:
         ref = [lp for lp, _ in self.logprobs(micro, reference=True)] if self.reference else None
         masks = [mb.loss_mask for mb in micro]
         denom = global_denominator(masks, self.cfg.norm_len, group=self.groups.dp_group)
-        # pack() gives every rank rollout logprobs or none, so all ranks join the reduce.
-        rollout = [mb.rollout_logprobs for mb in micro if mb.rollout_logprobs is not None]
-        gap = logprob_gap(rollout, old, masks, self.groups.dp_group) if len(rollout) == len(
-            micro) else {}
-        return _Prepared(micro, old, ref, denom, gap)
+        return _Prepared(micro, old, ref, denom)
 
     def _step(self, p: _Prepared) -> dict[str, float]:
         reports = self.forward_backward(p)
         ok, grad_norm, _ = self.trainable.optimizer.step()
         if ok:
             self.trainable.scheduler.step(increment=1)
-        metrics = reduce_reports(reports, self.groups.dp_group)
+        metrics = gap_metrics(reduce_reports(reports, self.groups.dp_group))
         metrics.update(self.load.metrics())
-        metrics.update(p.gap)
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=float(self.trainable.optimizer.param_groups[0]["lr"]),
@@ -229,9 +228,10 @@ class Policy:
         ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
             lp, ent = token_logprobs(logits, mb, tp_group, self.cp_group)
             mask = mb.loss_mask.to(device)
+            old = lp.detach() if p.old is None else p.old[k].to(device)
             inputs = PolicyLossInputs(
                 logprobs=lp,
-                old_logprobs=p.old[k].to(device),
+                old_logprobs=old,
                 advantages=mb.advantages.to(device),
                 loss_mask=mask,
                 rollout_logprobs=_to(mb.rollout_logprobs, device),
@@ -243,6 +243,10 @@ class Policy:
             # N; each CP rank counts the loss tokens it holds.
             count = cp_share(mb, self.cp_group).loss_mask.sum().to(torch.int).cpu()
             report = {name: v.detach().float() for name, v in metrics.items()}
+            if mb.rollout_logprobs is not None:  # pack(): on every rank or on none
+                # the trainer's side: pi_old, or (old = rollout's) this forward's own
+                trainer = old if self.cfg.recompute_old_logprobs else lp.detach()
+                report.update(gap_report(mb.rollout_logprobs, trainer, mb.loss_mask))
             return loss * p.denom.num_tokens, count, report
 
         hooks = ForwardHooks(replay=self.replay, load=self.load)

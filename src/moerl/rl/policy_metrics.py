@@ -54,33 +54,35 @@ def _device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def logprob_gap(
-    rollout: list[torch.Tensor], trainer: list[torch.Tensor], masks: list[torch.Tensor],
-    dp_group: dist.ProcessGroup,
-) -> dict[str, float]:
-    """How far the engine's logprobs are from the trainer's for the same tokens.
+_GAP = "logprob_gap/"
 
-    Over loss-mask tokens of all micro-batches and data-parallel ranks: mean and max of
-    |rollout - trainer|, and the mean of exp(rollout) - exp(trainer) (its sign says
-    which side gives the sampled tokens more probability). Empty when no token counts.
-    """
-    total = torch.zeros(3, dtype=torch.float64)  # sum |diff|, sum prob diff, tokens
-    top = torch.zeros(1, dtype=torch.float64)
-    for r, t, m in zip(rollout, trainer, masks, strict=True):
-        keep = m.detach().cpu() > 0
-        r64, t64 = r.detach().cpu().double()[keep], t.detach().cpu().double()[keep]
-        diff = (r64 - t64).abs()
-        total += torch.stack([diff.sum(), (r64.exp() - t64.exp()).sum(),
-                              torch.tensor(float(diff.numel()), dtype=torch.float64)])
-        if diff.numel():
-            top = torch.maximum(top, diff.max().reshape(1))
-    if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
-        device = _device(dp_group)
-        total, top = total.to(device), top.to(device)
-        dist.all_reduce(total, group=dp_group)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=dp_group)
-    abs_sum, prob_sum, count = total.tolist()
-    if count == 0:
-        return {}
-    return {"logprob_gap/mean_abs": abs_sum / count, "logprob_gap/max_abs": float(top.item()),
-            "logprob_gap/prob_diff": prob_sum / count}
+
+def gap_report(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor
+               ) -> dict[str, torch.Tensor]:
+    """One micro-batch's share of how far the engine's logprobs are from the trainer's
+    for the same tokens (loss-mask tokens only), as sums and a maximum that
+    `reduce_reports` adds up over micro-batches and data-parallel ranks."""
+    keep = mask.detach().cpu() > 0
+    r64, t64 = rollout.detach().cpu().double()[keep], trainer.detach().cpu().double()[keep]
+    diff = (r64 - t64).abs()
+    return {
+        f"{_GAP}abs_sum": diff.sum(),
+        f"{_GAP}prob_sum": (r64.exp() - t64.exp()).sum(),
+        f"{_GAP}tokens": torch.tensor(float(diff.numel()), dtype=torch.float64),
+        f"{_GAP}abs_max": diff.max() if diff.numel() else torch.zeros((), dtype=torch.float64),
+    }
+
+
+def gap_metrics(reduced: dict[str, float]) -> dict[str, float]:
+    """Replace the reduced `gap_report` sums in `reduced` by the global metrics: mean and
+    max of |rollout - trainer|, and the mean of exp(rollout) - exp(trainer) (its sign
+    says which side gives the sampled tokens more probability). None when no token
+    counted (or the samples carried no rollout logprobs)."""
+    raw = {k: reduced.pop(f"{_GAP}{k}") for k in ("abs_sum", "prob_sum", "tokens", "abs_max")
+           if f"{_GAP}{k}" in reduced}  # fmt: skip
+    if not raw.get("tokens"):
+        return reduced
+    reduced.update({f"{_GAP}mean_abs": raw["abs_sum"] / raw["tokens"],
+                    f"{_GAP}max_abs": raw["abs_max"],
+                    f"{_GAP}prob_diff": raw["prob_sum"] / raw["tokens"]})  # fmt: skip
+    return reduced

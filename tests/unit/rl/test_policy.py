@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -199,3 +200,26 @@ def test_routing_replay(groups: ParallelGroups) -> None:
     real = micro[0].valid
     assert (same - free)[real].abs().max() < 1e-6
     assert (other - free)[real].abs().max() > 1e-3
+
+
+def test_first_minibatch_takes_pi_old_from_its_own_forward(groups: ParallelGroups) -> None:
+    """Before the first optimizer step the weights are pi_old's, so the update's own
+    forward (detached) replaces the recompute pass: same step, one forward fewer."""
+    samples = make_samples(6, TINY.vocab_size, seed=4)
+    reused, recomputed = build(groups), build(groups)
+    passes: list[bool] = []
+
+    def counting(micro: Any, reference: bool = False) -> Any:
+        passes.append(reference)
+        return Policy.logprobs(reused, micro, reference)
+
+    reused.logprobs = counting  # type: ignore[method-assign]
+    a = reused.update(samples)
+    assert passes == [True]  # the reference only
+    b = recomputed._step(recomputed._prepare(samples, first=False))
+    for key in ("loss", "grad_norm", "kl_ref"):
+        if key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
+    for p, q in zip(reused.chunks[0].parameters(), recomputed.chunks[0].parameters(),
+                    strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
