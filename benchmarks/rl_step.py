@@ -45,13 +45,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parse_with_smoke(parser, SMOKE, argv)
 
 
-def run(args: argparse.Namespace, run_dir: Path) -> list[dict[str, float]]:
+def run(args: argparse.Namespace, run_dir: Path, extra: Sequence[str] = ()
+        ) -> list[dict[str, float]]:
+    """The steps' metric rows of one `moerl train` run; `extra`: more overrides."""
     argv = [sys.executable, "-m", "moerl.launchers.cli", "train", "+experiment=demo", "sft=none",
             f"run_dir={run_dir}", "checkpoint.dir=null", "logger.wandb_mode=disabled",
             f"rl.steps={args.steps}", f"rl.prompts_per_step={args.prompts}",
             f"rl.group_size={args.group}", "rl.max_generation_rounds=1",
             "rl.dynamic_sampling=false", "rl.eval_interval=0", "data.eval_size=2",
-            f"rl.sampling.max_tokens={args.max_tokens}"]  # fmt: skip
+            f"rl.sampling.max_tokens={args.max_tokens}", *extra]  # fmt: skip
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
