@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from _smoke import parse_with_smoke
-from rl_step import run
+from rl_step import add_run_arguments, run
 
 TABLE_TITLE = "async against sync RL steps"
 NEEDS_EXECUTABLES = ("bwrap",)
@@ -29,12 +29,7 @@ SMOKE = {"steps": 2, "prompts": 2, "group": 2, "max_tokens": 4}
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--threads", type=int, default=0,
-                        help="OMP_NUM_THREADS of every stage (0: leave as is)")
+    add_run_arguments(parser, steps=8)
     return parse_with_smoke(parser, SMOKE, argv)
 
 

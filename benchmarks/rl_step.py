@@ -34,14 +34,19 @@ PHASES = (("rollout", "generation (rollout server)"), ("reward", "rewards (sandb
           ("train", "policy update"), ("sync", "weight push to rollout"))  # fmt: skip
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=6)
+def add_run_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
+    """The size of the runs `run` starts (shared with benchmarks/async_speedup.py)."""
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=0,
                         help="OMP_NUM_THREADS of every stage (0: leave as is)")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_run_arguments(parser, steps=6)
     return parse_with_smoke(parser, SMOKE, argv)
 
 
