@@ -99,13 +99,13 @@ def send(fd: int, message: Any) -> None:
 
 def receive(fd: int) -> Any:
     def exactly(n: int) -> bytes:
-        chunks = b""
+        chunks = bytearray()  # grows in place: linear in n, unlike bytes concatenation
         while len(chunks) < n:
             chunk = os.read(fd, n - len(chunks))
             if not chunk:
                 raise EOFError("peer closed")
             chunks += chunk
-        return chunks
+        return bytes(chunks)
 
     (length,) = _HEADER.unpack(exactly(_HEADER.size))
     return ast.literal_eval(exactly(length).decode())
