@@ -42,10 +42,24 @@ def count_tests(test_source: str) -> int:
     checks = [n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == "check"]
     if len(checks) != 1 or not checks[0].args.args:
         raise InvalidSpec("test source must define exactly one `check(candidate)` function")
+    for node in module.body:
+        if not isinstance(node, _TEST_MODULE_STATEMENTS) and not _is_docstring(node):
+            raise InvalidSpec(
+                f"test source line {node.lineno}: top-level {type(node).__name__} beside "
+                "`check`; only definitions, imports and assignments may stand there (the "
+                "grader calls `check` itself, so a trailing `check(...)` must go)")
     total = sum(any(isinstance(x, ast.Assert) for x in ast.walk(s)) for s in checks[0].body)
     if total == 0:
         raise InvalidSpec("`check` contains no assert")
     return total
+
+
+_TEST_MODULE_STATEMENTS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import,
+                           ast.ImportFrom, ast.Assign, ast.AnnAssign)  # fmt: skip
+
+
+def _is_docstring(node: ast.stmt) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
 
 
 def _limits(sandbox: Sandbox, spec: Mapping[str, Any]) -> Limits:
@@ -53,7 +67,10 @@ def _limits(sandbox: Sandbox, spec: Mapping[str, Any]) -> Limits:
     if not isinstance(requested, dict):
         raise InvalidSpec("spec['limits'] must be a mapping")
     cfg = sandbox.config
-    return clamp_request(requested, cfg.default_limits, cfg.max_limits)
+    try:
+        return clamp_request(requested, cfg.default_limits, cfg.max_limits)
+    except ValueError as exc:  # an unknown key: the dataset's error, not the sandbox's
+        raise InvalidSpec(f"spec['limits']: {exc}") from exc
 
 
 def _infra(result: ExecutionResult) -> RewardResult:
@@ -100,6 +117,9 @@ def grade_channel(run: ExecutionResult, nonce: str, total: int) -> RewardResult:
             continue
         if not isinstance(record, dict) or record.get("nonce") != nonce:
             continue
+        if record.get("kind") == "test_error":
+            return RewardResult.invalid(f"test source fails before any test runs: "
+                                        f"{str(record.get('error'))[:500]}")
         if record.get("kind") == "load":
             load_state, load_error = str(record.get("state")), str(record.get("error"))
         index = record.get("index")

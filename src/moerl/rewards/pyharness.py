@@ -212,8 +212,12 @@ def grader_main() -> None:
         pass
     module = ast.parse(config["test"])
     check = next(n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == "check")
-    exec(compile(ast.Module([n for n in module.body if n is not check], []), "<test>", "exec"),
-         namespace)  # fmt: skip
+    try:  # the dataset's own code, run before the candidate loads: its errors are the data's
+        exec(compile(ast.Module([n for n in module.body if n is not check], []), "<test>",
+                     "exec"), namespace)  # fmt: skip
+    except BaseException as exc:
+        emit({"kind": "test_error", "error": f"{type(exc).__name__}: {exc}"[:2000]})
+        return
     candidate.load(config["program"], config["entry_point"])
     emit({"kind": "load", "state": candidate.state[0], "error": candidate.state[-1][:2000]})
     # As in HumanEval's own runner, the tests may name the entry point directly.

@@ -218,3 +218,18 @@ def test_limits_requested_in_the_spec_are_clamped(stdio: StdioReward) -> None:
     })  # fmt: skip
     assert result.reward == 0.0 and result.status == "timeout"
     assert time.monotonic() - t0 < Limits(wall_time_s=5).wall_time_s + 3
+
+
+def test_reference_data_errors_are_invalid_spec(humaneval: HumanEvalReward) -> None:
+    """Errors of the dataset, not the model: top-level code beside `check` (a trailing
+    `check(add)`), a test module that fails when run, an unknown limit."""
+    trailing = {**SPEC, "test": SPEC["test"] + "check(add)\n"}
+    with pytest.raises(InvalidSpec, match="line 7: top-level Expr"):
+        humaneval.score("    return a + b\n", trailing)
+    broken = {**SPEC, "test": "TOLERANCE = undefined_name\n" + SPEC["test"]}
+    result = humaneval.score("    return a + b\n", broken)
+    assert result.error_kind == "invalid_spec" and "NameError" in (result.error or ""), result
+    with pytest.raises(InvalidSpec, match="unknown limit"):
+        humaneval.score("    return a + b\n", {**SPEC, "limits": {"memory_gb": 1}})
+    documented = {**SPEC, "test": '"""Tests."""\nimport math\nEPS = 1e-9\n' + SPEC["test"]}
+    assert humaneval.score("    return a + b\n", documented).reward == 1.0
