@@ -2,6 +2,7 @@
 real client: hostile batches, lost responses, a killed server (RELIABILITY.md 1-3, 11,
 13, 14 at service level)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -106,6 +107,31 @@ def test_mixed_hostile_batch_is_scored_and_the_server_survives(server: tuple[Any
     assert report.metrics["reward/infra_errors"] == 0
     health = httpx.get(f"{discover(rendezvous)[0]}/health", timeout=5).json()
     assert health["status"] == "ok" and proc.poll() is None
+
+
+def test_a_poison_item_leaves_the_rest_of_its_batch_scored(server: tuple[Any, Path]) -> None:
+    """A program whose error text holds a lone surrogate (plain ASCII source), and an id
+    that holds one, cannot turn the response into an error for the whole batch."""
+    _, rendezvous = server
+    poison = "    return x * x\nraise ValueError('\\udc80')\n"
+    items = [{"id": f"ok-{i}", "reward": "humaneval", "completion": "    return x * x\n",
+              "spec": HE} for i in range(6)]  # fmt: skip
+    items.insert(2, {"id": "poison", "reward": "humaneval", "completion": poison, "spec": HE})
+    items.insert(5, {"id": "bad-\udc80", "reward": "humaneval",
+                     "completion": "    return x * x\n", "spec": HE})  # fmt: skip
+    body = json.dumps({"items": items})  # ensure_ascii: the surrogates travel escaped
+    response = httpx.post(f"{discover(rendezvous)[0]}/score", content=body, timeout=60,
+                          headers={"content-type": "application/json"})  # fmt: skip
+    assert response.status_code == 200, response.text
+    rows = response.json()["results"]
+    assert len(rows) == 8
+    assert [r["reward"] for r in rows if r["id"].startswith("ok-")] == [1.0] * 6
+    poisoned = next(r for r in rows if r["id"] == "poison")
+    assert poisoned["reward"] == 0.0 and poisoned["escaped"] is True
+    assert "\\udc80" in poisoned["details"]["load_error"]
+    bad_id = rows[5]
+    assert bad_id["error_kind"] == "invalid_spec" and bad_id["escaped"] is True
+    assert bad_id["error"].startswith("item rejected: id:")
 
 
 def test_reward_crash_is_an_infra_error(server: tuple[Any, Path], tmp_path: Path) -> None:

@@ -26,8 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
-from pydantic import BaseModel, Field
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field, ValidationError
 
 from moerl.rendezvous import ENV_INDEX, ENV_RENDEZVOUS, announce
 from moerl.rewards.protocol import InvalidSpec, RewardFunction, RewardResult
@@ -44,8 +45,48 @@ class ScoreItem(BaseModel):
     spec: dict[str, Any] = Field(default_factory=dict)
 
 
-class ScoreBatch(BaseModel):
-    items: list[ScoreItem]
+def utf8_safe(value: Any) -> tuple[Any, bool]:
+    """`value` with every string made encodable as UTF-8 (a lone surrogate, which a
+    program's output or exception text can hold, becomes a backslash escape), and
+    whether anything had to be escaped. Containers are rebuilt; other values pass."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode("utf-8"), True
+        return value, False
+    if isinstance(value, dict):
+        pairs = [(utf8_safe(k), utf8_safe(v)) for k, v in value.items()]
+        return ({k: v for (k, _), (v, _) in pairs},
+                any(ek or ev for (_, ek), (_, ev) in pairs))  # fmt: skip
+    if isinstance(value, (list, tuple)):
+        items = [utf8_safe(v) for v in value]
+        return [v for v, _ in items], any(e for _, e in items)
+    return value, False
+
+
+def response_row(item_id: str, result: RewardResult) -> dict[str, Any]:
+    """One item's row of the response, safe to encode whatever the program wrote;
+    `"escaped": true` says some text in it was escaped."""
+    row, escaped = utf8_safe({"id": item_id, **result.to_json()})
+    if escaped:
+        row["escaped"] = True
+    return dict(row)
+
+
+def parse_item(raw: Any) -> ScoreItem | RewardResult:
+    """The item, or its invalid_spec result naming what is wrong with it."""
+    try:
+        return ScoreItem.model_validate(raw)
+    except ValidationError as exc:
+        where = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'item'}: {e['msg']}"
+                          for e in exc.errors())  # fmt: skip
+        return RewardResult.invalid(f"item rejected: {where}")
+
+
+def _raw_id(raw: Any) -> str:
+    item_id = raw.get("id") if isinstance(raw, dict) else None
+    return item_id if isinstance(item_id, str) else ""
 
 
 def _fingerprint(item: ScoreItem) -> str:
@@ -119,13 +160,25 @@ def create_app(rewards: Mapping[str, RewardFunction], max_concurrency: int) -> F
         }
 
     @app.post("/score")
-    async def score(batch: ScoreBatch) -> dict[str, Any]:
-        results = await asyncio.gather(*(scorer.score(item) for item in batch.items))
-        return {
-            "results": [
-                {"id": i.id, **r.to_json()} for i, r in zip(batch.items, results, strict=True)
-            ]
-        }
+    async def score(request: Request) -> JSONResponse:
+        # Parsed here, not by a typed body: an item that fails validation (a string
+        # holding a lone surrogate, a missing field) is that item's invalid_spec, and
+        # the rest of the batch is scored.
+        try:
+            raw_items = json.loads(await request.body())["items"]
+            if not isinstance(raw_items, list):
+                raise TypeError("items is not a list")
+        except (ValueError, KeyError, TypeError) as exc:
+            return JSONResponse({"detail": f'the body must be JSON {{"items": [...]}}: {exc}'},
+                                status_code=422)  # fmt: skip
+        parsed = [parse_item(raw) for raw in raw_items]
+
+        async def one(item: ScoreItem | RewardResult) -> RewardResult:
+            return item if isinstance(item, RewardResult) else await scorer.score(item)
+
+        results = await asyncio.gather(*(one(item) for item in parsed))
+        rows = [response_row(_raw_id(raw), r) for raw, r in zip(raw_items, results, strict=True)]
+        return JSONResponse({"results": rows})
 
     return app
 
