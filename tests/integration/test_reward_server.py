@@ -134,6 +134,16 @@ def test_a_poison_item_leaves_the_rest_of_its_batch_scored(server: tuple[Any, Pa
     assert bad_id["error"].startswith("item rejected: id:")
 
 
+def test_a_batch_over_the_limit_is_refused_with_413(server: tuple[Any, Path]) -> None:
+    url = discover(server[1])[0]
+    limit = httpx.get(f"{url}/health", timeout=5).json()["max_batch_items"]
+    items = [{"id": f"i{i}", "reward": "nope", "completion": "", "spec": {}}
+             for i in range(limit + 1)]  # fmt: skip
+    response = httpx.post(f"{url}/score", json={"items": items}, timeout=60)
+    assert response.status_code == 413 and f"limit of {limit}" in response.text
+    assert httpx.post(f"{url}/score", json={"items": items[:limit]}, timeout=60).status_code == 200
+
+
 def test_reward_crash_is_an_infra_error(server: tuple[Any, Path], tmp_path: Path) -> None:
     spec = {"file": str(tmp_path / "log"), "explode": True}
     report = client(server[1], max_attempts=2).score([ScoreItem("count", "x", spec)], step=0)

@@ -13,7 +13,7 @@ class RewardStageConfig:
     servers: int = 1
     max_concurrency: int = 2  # sandboxed executions at once per server
     isolation: Literal["strict", "no-cgroups"] = "strict"
-    batch_size: int = 64
+    batch_size: int = 64  # items per request; at most the servers' --max-batch-items (1024)
     timeout_s: float = 300.0
     nodes: int = 1
     cpus: int = 2

@@ -145,7 +145,11 @@ class Scorer:
         return sum(not task.done() for _, task in self.tasks.values())
 
 
-def create_app(rewards: Mapping[str, RewardFunction], max_concurrency: int) -> FastAPI:
+DEFAULT_MAX_BATCH_ITEMS = 1024
+
+
+def create_app(rewards: Mapping[str, RewardFunction], max_concurrency: int,
+               max_batch_items: int = DEFAULT_MAX_BATCH_ITEMS) -> FastAPI:
     scorer = Scorer(rewards, max_concurrency)
     app = FastAPI(title="moerl reward server")
     app.state.scorer = scorer
@@ -157,6 +161,7 @@ def create_app(rewards: Mapping[str, RewardFunction], max_concurrency: int) -> F
             "rewards": sorted(scorer.rewards),
             "in_flight": scorer.in_flight(),
             "max_concurrency": scorer.max_concurrency,
+            "max_batch_items": max_batch_items,
         }
 
     @app.post("/score")
@@ -171,6 +176,11 @@ def create_app(rewards: Mapping[str, RewardFunction], max_concurrency: int) -> F
         except (ValueError, KeyError, TypeError) as exc:
             return JSONResponse({"detail": f'the body must be JSON {{"items": [...]}}: {exc}'},
                                 status_code=422)  # fmt: skip
+        if len(raw_items) > max_batch_items:  # bounded work per request
+            return JSONResponse(
+                {"detail": f"a batch of {len(raw_items)} items is over this server's limit of "
+                           f"{max_batch_items} (--max-batch-items); send smaller batches "
+                           "(rewards.batch_size)"}, status_code=413)  # fmt: skip
         parsed = [parse_item(raw) for raw in raw_items]
 
         async def one(item: ScoreItem | RewardResult) -> RewardResult:
@@ -188,6 +198,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--max-concurrency", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--max-batch-items", type=int, default=DEFAULT_MAX_BATCH_ITEMS,
+                        help="larger requests are refused with 413")  # fmt: skip
     env_dir = os.environ.get(ENV_RENDEZVOUS)
     parser.add_argument("--rendezvous-dir", type=Path, default=Path(env_dir) if env_dir else None,
                         help="announce host:port here once healthy (default: from the "
@@ -197,8 +209,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--isolation", choices=["strict", "no-cgroups"], default="strict",
                         help="'no-cgroups' is weaker; see moerl.sandbox.config")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.max_concurrency < 1:
-        parser.error("--max-concurrency must be >= 1")
+    if args.max_concurrency < 1 or args.max_batch_items < 1:
+        parser.error("--max-concurrency and --max-batch-items must be >= 1")
     return args
 
 
@@ -242,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     except (SandboxUnavailable, RewardLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    app = create_app(rewards, args.max_concurrency)
+    app = create_app(rewards, args.max_concurrency, args.max_batch_items)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
     server = uvicorn.Server(config)
     published: list[Path] = []
