@@ -219,3 +219,47 @@ def test_killed_server_takes_its_sandboxes_along_then_clients_see_infra_errors(
     Sandbox()
     leftovers = list(Path(tempfile.gettempdir(), "moerl-sandbox-work").glob(f"run-{proc.pid}-*"))
     assert leftovers == []
+
+
+def test_sigterm_answers_queued_items_and_exits_clean(tmp_path: Path) -> None:
+    """SIGTERM with a batch queued: the running item finishes, the queued ones come back
+    as cancelled infra errors (the client sends them elsewhere), and the server exits
+    within its grace period leaving no work dir behind."""
+    if not Path("/usr/bin/bwrap").exists():
+        pytest.skip("bubblewrap is not installed")
+    rendezvous = tmp_path / "rendezvous"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moerl.rewards.server", "--host", "127.0.0.1", "--port", "0",
+         "--max-concurrency", "1", "--grace-s", "20", "--rendezvous-dir", str(rendezvous)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not discover(rendezvous) and time.monotonic() < deadline:
+            assert proc.poll() is None, "reward server exited during start-up"
+            time.sleep(0.1)
+        url = discover(rendezvous)[0]
+        naps = {"language": "python", "cases": [{"input": "", "output": "ok"}]}
+        items = [{"id": f"nap-{i}", "reward": "stdio", "spec": naps,
+                  "completion": "import time\ntime.sleep(1.5)\nprint('ok')\n"}
+                 for i in range(8)]  # fmt: skip
+        answer: list[httpx.Response] = []
+        sender = threading.Thread(target=lambda: answer.append(
+            httpx.post(f"{url}/score", json={"items": items}, timeout=60)))
+        sender.start()
+        time.sleep(1.0)  # the first item is running, the other seven are queued
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+        sender.join(timeout=20)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert answer and answer[0].status_code == 200, answer
+    rows = answer[0].json()["results"]
+    done = [r for r in rows if r["reward"] == 1.0]
+    cancelled = [r for r in rows if r["error_kind"] == "infra"
+                 and r["details"].get("stage") == "cancelled"]  # fmt: skip
+    assert len(done) >= 1 and len(done) + len(cancelled) == 8, rows
+    assert len(cancelled) >= 5, rows
+    work = Path(tempfile.gettempdir(), "moerl-sandbox-work")
+    assert list(work.glob(f"run-{proc.pid}-*")) == []

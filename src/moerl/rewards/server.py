@@ -105,8 +105,13 @@ class Scorer:
         self.remember = remember
         self.tasks: OrderedDict[str, tuple[str, asyncio.Future[RewardResult]]] = OrderedDict()
         self.executions = 0
+        self.stopping = threading.Event()
+        """Set on SIGTERM: items not yet started are answered as cancelled infra errors."""
 
     def score_sync(self, item: ScoreItem) -> RewardResult:
+        if self.stopping.is_set():  # the client sends it again, to another server
+            return RewardResult.infra("reward server shutting down; the item was not run",
+                                      details={"stage": "cancelled"})  # fmt: skip
         reward = self.rewards.get(item.reward)
         if reward is None:
             return RewardResult.invalid(
@@ -200,6 +205,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-concurrency", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--max-batch-items", type=int, default=DEFAULT_MAX_BATCH_ITEMS,
                         help="larger requests are refused with 413")  # fmt: skip
+    parser.add_argument("--grace-s", type=float, default=30.0,
+                        help="on SIGTERM, how long running requests may still take")  # fmt: skip
     env_dir = os.environ.get(ENV_RENDEZVOUS)
     parser.add_argument("--rendezvous-dir", type=Path, default=Path(env_dir) if env_dir else None,
                         help="announce host:port here once healthy (default: from the "
@@ -255,8 +262,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     app = create_app(rewards, args.max_concurrency, args.max_batch_items)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
-    server = uvicorn.Server(config)
+    scorer: Scorer = app.state.scorer
+
+    class DrainingServer(uvicorn.Server):
+        """SIGTERM/SIGINT: no new connections, queued items answered as cancelled, running
+        ones finish (each bounded by its sandbox limits) within the grace period."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            scorer.stopping.set()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=max(1, round(args.grace_s)))  # fmt: skip
+    server = DrainingServer(config)
     published: list[Path] = []
     announcer = threading.Thread(
         target=_announce, args=(server, args.host, args.rendezvous_dir, published), daemon=True
@@ -267,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for path in published:
             path.unlink(missing_ok=True)
+        scorer.stopping.set()
+        scorer.pool.shutdown(wait=True, cancel_futures=True)
     return 0
 
 
