@@ -116,6 +116,10 @@ class RewardClient:
         results = [self._cache.get(k) or fresh[k] for k in keys]
         metrics["infra_errors"] = float(sum(r.error_kind == "infra" for r in results))
         metrics["invalid_spec"] = float(sum(r.error_kind == "invalid_spec" for r in results))
+        for result in results:  # reward/limits/<name>: samples that hit each sandbox limit
+            hit = result.details.get("limits_hit")
+            for name in hit if isinstance(hit, list) else ():
+                metrics[f"limits/{name}"] = metrics.get(f"limits/{name}", 0.0) + 1.0
         scored = [r.reward for r in results if r.reward is not None]
         metrics["scored"] = float(len(scored))
         metrics["mean_reward"] = sum(scored) / len(scored) if scored else float("nan")

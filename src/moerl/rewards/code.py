@@ -127,18 +127,37 @@ def grade_channel(run: ExecutionResult, nonce: str, total: int) -> RewardResult:
             (passed if record.get("passed") is True else failed).add(index)
     n_passed = len(passed - failed)
     compiled = load_state != "compile_error" if load_state != "missing" else None
+    status = run.status.value
+    if compiled is False:
+        status = ExecutionStatus.COMPILE_ERROR.value
+    elif run.limits_hit:  # e.g. the candidate killed for memory while the grader exited 0
+        status = limit_status(run.limits_hit[0])
     return RewardResult(
         reward=n_passed / total,
         passed=n_passed,
         total=total,
         compile_ok=compiled,
-        status=ExecutionStatus.COMPILE_ERROR.value if compiled is False else run.status.value,
+        status=status,
         details={
             "load": load_state,
             "load_error": load_error[:500],
             "stderr": run.text("stderr")[-500:],
+            "limits_hit": list(run.limits_hit),
         },
     )
+
+
+_LIMIT_STATUS = {
+    "wall_time": ExecutionStatus.TIMEOUT.value,
+    "cpu_time": ExecutionStatus.TIMEOUT.value,
+    "memory": ExecutionStatus.MEMORY_LIMIT.value,
+    "output": ExecutionStatus.OUTPUT_LIMIT.value,
+}
+
+
+def limit_status(limit: str) -> str:
+    """The status that names a limit of `ExecutionResult.limits_hit`."""
+    return _LIMIT_STATUS.get(limit, f"{limit}_limit")
 
 
 def normalize_output(text: str) -> list[str]:
@@ -183,6 +202,7 @@ class StdioReward:
                     details={"compiler": compiled.text("stderr")[-2000:]},
                 )  # fmt: skip
             statuses: list[str] = []
+            hit_limits: list[str] = []
             passed = 0
             for case in cases:
                 run = self.sandbox.run(lang.run_argv, ws, stdin=case["input"].encode(),
@@ -190,11 +210,12 @@ class StdioReward:
                 if run.is_infra_error:
                     return _infra(run)
                 statuses.append(run.status.value)
+                hit_limits += [name for name in run.limits_hit if name not in hit_limits]
                 ok = run.status is ExecutionStatus.OK and not run.stdout_truncated
                 passed += ok and normalize_output(run.text()) == normalize_output(case["output"])
         worst = next((s for s in statuses if s != "ok"), "ok")
         return RewardResult(
             reward=passed / len(cases), passed=passed, total=len(cases),
             compile_ok=True if compiled is not None else None, status=worst,
-            details={"statuses": list(statuses)},
+            details={"statuses": list(statuses), "limits_hit": list(hit_limits)},
         )  # fmt: skip

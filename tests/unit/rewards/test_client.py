@@ -143,6 +143,20 @@ def test_identical_requests_within_a_step_are_scored_once(
     assert sum(len(r["items"]) for r in server.requests) == 4  # new step, new cache
 
 
+def test_limits_hit_are_counted_per_step(serve: Callable[[Behaviour], FakeServer]) -> None:
+    hits = [["memory"], ["memory", "pids"], []]
+
+    def answer(n: int, body: dict) -> tuple[int, dict]:
+        return 200, {"results": [{"id": it["id"], "reward": 0.0,
+                                  "details": {"limits_hit": hits[i]}}
+                                 for i, it in enumerate(body["items"])]}  # fmt: skip
+
+    report = client_for(serve(answer).url).score(ITEMS, step=0)
+    assert report.metrics["reward/limits/memory"] == 2
+    assert report.metrics["reward/limits/pids"] == 1
+    assert not any(k.startswith("reward/limits/") and k.endswith("output") for k in report.metrics)
+
+
 def test_backoff_is_capped_and_jittered() -> None:
     rng = random.Random(1)
     delays = [backoff_s(a, 0.1, 2.0, rng) for a in range(12)]

@@ -233,3 +233,19 @@ def test_reference_data_errors_are_invalid_spec(humaneval: HumanEvalReward) -> N
         humaneval.score("    return a + b\n", {**SPEC, "limits": {"memory_gb": 1}})
     documented = {**SPEC, "test": '"""Tests."""\nimport math\nEPS = 1e-9\n' + SPEC["test"]}
     assert humaneval.score("    return a + b\n", documented).reward == 1.0
+
+
+def test_limits_the_candidate_hits_are_reported(humaneval: HumanEvalReward) -> None:
+    """The candidate killed for memory, or stopped by the pids limit, while the grader
+    exits normally: the reward is 0 and the status and details name the limit."""
+    hog = "    x = []\n    while True:\n        x.append(b'x' * (8 << 20))\n"
+    result = humaneval.score(hog, {**SPEC, "limits": {"memory_mb": 128}})
+    assert result.reward == 0.0 and result.status == "memory_limit", result
+    assert "memory" in result.details["limits_hit"]  # type: ignore[operator]
+    forks = ("    import os\n    while True:\n        try:\n            os.fork()\n"
+             "        except OSError:\n            return 0\n")  # fmt: skip
+    result = humaneval.score(forks, {**SPEC, "limits": {"wall_time_s": 5}})
+    assert result.reward == 0.0 and "pids" in result.details["limits_hit"], result  # type: ignore[operator]
+    assert result.status in ("pids_limit", "timeout"), result
+    plain = humaneval.score("    return a + b\n", SPEC)
+    assert plain.status == "ok" and plain.details["limits_hit"] == []
