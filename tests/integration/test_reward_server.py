@@ -144,6 +144,18 @@ def test_a_batch_over_the_limit_is_refused_with_413(server: tuple[Any, Path]) ->
     assert httpx.post(f"{url}/score", json={"items": items[:limit]}, timeout=60).status_code == 200
 
 
+def test_an_oversized_completion_is_refused_by_rule(server: tuple[Any, Path]) -> None:
+    url = discover(server[1])[0]
+    limit = httpx.get(f"{url}/health", timeout=5).json()["max_completion_bytes"]
+    correct = "    return x * x\n"
+    padded = correct + "# " + "x" * limit + "\n"
+    items = [{"id": "big", "reward": "humaneval", "completion": padded, "spec": HE},
+             {"id": "small", "reward": "humaneval", "completion": correct, "spec": HE}]
+    rows = httpx.post(f"{url}/score", json={"items": items}, timeout=60).json()["results"]
+    assert rows[0]["error_kind"] == "invalid_spec" and f"limit of {limit}" in rows[0]["error"]
+    assert rows[1]["reward"] == 1.0
+
+
 def test_reward_crash_is_an_infra_error(server: tuple[Any, Path], tmp_path: Path) -> None:
     spec = {"file": str(tmp_path / "log"), "explode": True}
     report = client(server[1], max_attempts=2).score([ScoreItem("count", "x", spec)], step=0)

@@ -74,14 +74,22 @@ def response_row(item_id: str, result: RewardResult) -> dict[str, Any]:
     return dict(row)
 
 
-def parse_item(raw: Any) -> ScoreItem | RewardResult:
-    """The item, or its invalid_spec result naming what is wrong with it."""
+def parse_item(raw: Any, max_completion_bytes: int) -> ScoreItem | RewardResult:
+    """The item, or its invalid_spec result naming what is wrong with it. A completion
+    over `max_completion_bytes` is refused by rule before it runs, so its size is never
+    charged to the model as a timeout or a memory kill."""
     try:
-        return ScoreItem.model_validate(raw)
+        item = ScoreItem.model_validate(raw)
     except ValidationError as exc:
         where = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'item'}: {e['msg']}"
                           for e in exc.errors())  # fmt: skip
         return RewardResult.invalid(f"item rejected: {where}")
+    size = len(item.completion.encode("utf-8"))
+    if size > max_completion_bytes:
+        return RewardResult.invalid(
+            f"completion of {size} bytes is over this server's limit of {max_completion_bytes} "
+            "(--max-completion-bytes); it was not run")
+    return item
 
 
 def _raw_id(raw: Any) -> str:
@@ -151,10 +159,12 @@ class Scorer:
 
 
 DEFAULT_MAX_BATCH_ITEMS = 1024
+DEFAULT_MAX_COMPLETION_BYTES = 8 << 20
 
 
 def create_app(rewards: Mapping[str, RewardFunction], max_concurrency: int,
-               max_batch_items: int = DEFAULT_MAX_BATCH_ITEMS) -> FastAPI:
+               max_batch_items: int = DEFAULT_MAX_BATCH_ITEMS,
+               max_completion_bytes: int = DEFAULT_MAX_COMPLETION_BYTES) -> FastAPI:
     scorer = Scorer(rewards, max_concurrency)
     app = FastAPI(title="moerl reward server")
     app.state.scorer = scorer
@@ -167,6 +177,7 @@ def create_app(rewards: Mapping[str, RewardFunction], max_concurrency: int,
             "in_flight": scorer.in_flight(),
             "max_concurrency": scorer.max_concurrency,
             "max_batch_items": max_batch_items,
+            "max_completion_bytes": max_completion_bytes,
         }
 
     @app.post("/score")
@@ -186,7 +197,7 @@ def create_app(rewards: Mapping[str, RewardFunction], max_concurrency: int,
                 {"detail": f"a batch of {len(raw_items)} items is over this server's limit of "
                            f"{max_batch_items} (--max-batch-items); send smaller batches "
                            "(rewards.batch_size)"}, status_code=413)  # fmt: skip
-        parsed = [parse_item(raw) for raw in raw_items]
+        parsed = [parse_item(raw, max_completion_bytes) for raw in raw_items]
 
         async def one(item: ScoreItem | RewardResult) -> RewardResult:
             return item if isinstance(item, RewardResult) else await scorer.score(item)
@@ -205,6 +216,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-concurrency", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--max-batch-items", type=int, default=DEFAULT_MAX_BATCH_ITEMS,
                         help="larger requests are refused with 413")  # fmt: skip
+    parser.add_argument("--max-completion-bytes", type=int, default=DEFAULT_MAX_COMPLETION_BYTES,
+                        help="longer completions are invalid_spec, never run")  # fmt: skip
     parser.add_argument("--grace-s", type=float, default=30.0,
                         help="on SIGTERM, how long running requests may still take")  # fmt: skip
     env_dir = os.environ.get(ENV_RENDEZVOUS)
@@ -216,8 +229,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--isolation", choices=["strict", "no-cgroups"], default="strict",
                         help="'no-cgroups' is weaker; see moerl.sandbox.config")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.max_concurrency < 1 or args.max_batch_items < 1:
-        parser.error("--max-concurrency and --max-batch-items must be >= 1")
+    if min(args.max_concurrency, args.max_batch_items, args.max_completion_bytes) < 1:
+        parser.error("--max-concurrency, --max-batch-items and --max-completion-bytes: >= 1")
     return args
 
 
@@ -261,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     except (SandboxUnavailable, RewardLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    app = create_app(rewards, args.max_concurrency, args.max_batch_items)
+    app = create_app(rewards, args.max_concurrency, args.max_batch_items,
+                     args.max_completion_bytes)
     scorer: Scorer = app.state.scorer
 
     class DrainingServer(uvicorn.Server):
