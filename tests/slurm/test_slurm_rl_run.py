@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -212,24 +211,6 @@ def test_usr1_checkpoints_requeues_and_resumes(
         print(f"\nUSR1 -> requeue -> resume under SLURM: {time.monotonic() - started:.0f} s")
 
 
-def _release_requeued(watch: _RunWatch, cluster: SlurmCluster, job: int) -> None:
-    """Lift the ~120 s hold SLURM puts on a requeued job, once every component is
-    pending again: the leader (the batch shell) can be requeued seconds after the
-    other components, and a hold lifted before that would apply to only some of them."""
-    watch.until(lambda: set(cluster.job_fields(job, "JobState")) == {"PENDING"}, 120,
-                "every component pending after the requeue", cluster)  # fmt: skip
-
-    def eligible_now() -> bool:
-        now = datetime.now()
-        times = cluster.job_fields(job, "EligibleTime")
-        if times and all(t != "Unknown" and datetime.fromisoformat(t) <= now for t in times):
-            return True
-        cluster.run("scontrol", "update", f"jobid={job}", "starttime=now")
-        return False
-
-    watch.until(eligible_now, 60, "requeued job eligible to start", cluster)
-
-
 def _signal_requeue_resume(watch: _RunWatch, cluster: SlurmCluster) -> None:
     run, ckpts = watch.run, watch.run / "checkpoints"
 
@@ -273,7 +254,9 @@ def _signal_requeue_resume(watch: _RunWatch, cluster: SlurmCluster) -> None:
     assert cluster.job_field(job, "JobState") not in {"COMPLETED", "FAILED", "CANCELLED"}, diag
     assert step < RESUME_STEPS, f"the signal came after the last step; nothing to resume\n{diag}"
 
-    _release_requeued(watch, cluster, job)
+    # The second attempt starts after SLURM's requeue delay (~120 s, the credential
+    # lifetime). It is not cut short: a launch before the first attempt's credential
+    # expires is refused ("Job credential revoked") and the job fails.
     finished = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
     watch.until(lambda: cluster.job_field(job, "JobState") in finished, 600, "job end", cluster)
     diag = watch.diagnostics(cluster)
@@ -289,6 +272,8 @@ def _signal_requeue_resume(watch: _RunWatch, cluster: SlurmCluster) -> None:
     codes = re.findall(r"moerl: trainer exit code (\d+)", batch.read_text(errors="replace"))
     assert len(codes) == 2 and codes[0] in {str(REQUEUE_EXIT_CODE), "1"}, f"{codes}\n{diag}"
     assert codes[1] == "0", f"{codes}\n{diag}"
+    ports = re.findall(r"moerl: trainer master \S+ \(\S+:(\d+)\)", batch.read_text())
+    assert len(ports) == 2 and int(ports[1]) == int(ports[0]) + 1, ports  # one per attempt
     text = trainer.read_text(errors="replace")
     assert f"resumed from {saved} at step {step}" in text, diag
     assert text.count("SFT: loss") == 1, diag  # the checkpoint holds the policy after SFT

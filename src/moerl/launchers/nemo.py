@@ -39,7 +39,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from moerl.launchers.slurm import DEFAULT_PORTS, SlurmConfig, _resources, step_command
+from moerl.launchers.slurm import (
+    DEFAULT_PORTS,
+    SlurmConfig,
+    _resources,
+    master_port_export,
+    step_command,
+)
 from moerl.launchers.stages import RunPlan, StageSpec
 from moerl.rendezvous import ENV_HOST, ENV_INDEX, ENV_PORT, ENV_RENDEZVOUS, ENV_STAGE
 
@@ -99,7 +105,7 @@ def _setup_lines(plan: RunPlan, cfg: SlurmConfig, trainer_group: int | None) -> 
                 f"${{SLURM_JOB_NODELIST_HET_GROUP_{trainer_group}:-$SLURM_JOB_NODELIST}}")
     lines += [f'MASTER_NODE=$(scontrol show hostnames "{nodelist}" | head -n 1)',
               'export MASTER_ADDR="${MOERL_MASTER_ADDR:-$MASTER_NODE}"',
-              f"export MASTER_PORT={cfg.master_port}"]
+              master_port_export(cfg.master_port)]
     return "\n".join(lines)
 
 

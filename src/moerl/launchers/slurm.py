@@ -183,12 +183,19 @@ def _trainer_inner(stage: StageSpec, cfg: SlurmConfig) -> str:
     )
 
 
+def master_port_export(port: int) -> str:
+    """The batch shell's MASTER_PORT line. Each attempt of a requeued job gets its own
+    port: the node may still hold the previous attempt's rendezvous port (a lingering
+    process, a socket not yet freed), and torchrun would fail with EADDRINUSE."""
+    return f"export MASTER_PORT=$(({port} + ${{SLURM_RESTART_COUNT:-0}}))"
+
+
 def _trainer_step(stage: StageSpec, group: int | None, cfg: SlurmConfig) -> str:
     nodelist = "${SLURM_JOB_NODELIST_HET_GROUP_0:-$SLURM_JOB_NODELIST}"
     return "\n".join([
         f'MASTER_NODE=$(scontrol show hostnames "{nodelist}" | head -n 1)',
         'export MASTER_ADDR="${MOERL_MASTER_ADDR:-$MASTER_NODE}"',
-        f"export MASTER_PORT={cfg.master_port}",
+        master_port_export(cfg.master_port),
         'echo "moerl: trainer master $MASTER_NODE ($MASTER_ADDR:$MASTER_PORT)" >&2',
         _srun(stage, group, cfg),
         "TRAINER_PID=$!",
