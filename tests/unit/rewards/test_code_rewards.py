@@ -243,7 +243,7 @@ def test_limits_the_candidate_hits_are_reported(humaneval: HumanEvalReward) -> N
     assert result.reward == 0.0 and result.status == "memory_limit", result
     assert "memory" in result.details["limits_hit"]  # type: ignore[operator]
     forks = ("    import os\n    while True:\n        try:\n            os.fork()\n"
-             "        except OSError:\n            return 0\n")  # fmt: skip
+             "        except OSError:\n            return None\n")  # fmt: skip
     result = humaneval.score(forks, {**SPEC, "limits": {"wall_time_s": 5}})
     assert result.reward == 0.0 and "pids" in result.details["limits_hit"], result  # type: ignore[operator]
     assert result.status in ("pids_limit", "timeout"), result
