@@ -61,15 +61,17 @@ def gap_report(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor
                ) -> dict[str, torch.Tensor]:
     """One micro-batch's share of how far the engine's logprobs are from the trainer's
     for the same tokens (loss-mask tokens only), as sums and a maximum that
-    `reduce_reports` adds up over micro-batches and data-parallel ranks."""
-    keep = mask.detach().cpu() > 0
-    r64, t64 = rollout.detach().cpu().double()[keep], trainer.detach().cpu().double()[keep]
-    diff = (r64 - t64).abs()
+    `reduce_reports` adds up over micro-batches and data-parallel ranks. Computed on the
+    trainer's device without a host sync: it runs inside the pipeline schedule."""
+    device = trainer.device
+    keep = mask.detach().to(device) > 0
+    r64, t64 = rollout.detach().to(device, torch.float64), trainer.detach().double()
+    diff = torch.where(keep, (r64 - t64).abs(), 0.0)
     return {
         f"{_GAP}abs_sum": diff.sum(),
-        f"{_GAP}prob_sum": (r64.exp() - t64.exp()).sum(),
-        f"{_GAP}tokens": torch.tensor(float(diff.numel()), dtype=torch.float64),
-        f"{_GAP}abs_max": diff.max() if diff.numel() else torch.zeros((), dtype=torch.float64),
+        f"{_GAP}prob_sum": torch.where(keep, r64.exp() - t64.exp(), 0.0).sum(),
+        f"{_GAP}tokens": keep.sum().double(),
+        f"{_GAP}abs_max": diff.max() if diff.numel() else diff.new_zeros(()),
     }
 
 
