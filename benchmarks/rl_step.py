@@ -57,7 +57,8 @@ def run(args: argparse.Namespace, run_dir: Path, extra: Sequence[str] = ()
             f"run_dir={run_dir}", "checkpoint.dir=null", "logger.wandb_mode=disabled",
             f"rl.steps={args.steps}", f"rl.prompts_per_step={args.prompts}",
             f"rl.group_size={args.group}", "rl.max_generation_rounds=1",
-            "rl.dynamic_sampling=false", "rl.eval_interval=0", "data.eval_size=2",
+            "rl.dynamic_sampling=false", "rl.updates_per_step=1", "rl.eval_interval=0",
+            "data.eval_size=2",
             f"rl.sampling.max_tokens={args.max_tokens}", *extra]  # fmt: skip
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     if args.threads:

@@ -9,17 +9,20 @@ execution.
 
 SFT data is deliberately imperfect: a demonstration is correct with probability
 `correct_fraction` and otherwise a plausible wrong program (wrong operator or
-constant), the way real demonstration sets are noisy. RL on the execution reward
-then has something to fix.
+constant), the way real demonstration sets are noisy. A demonstrator can also err
+systematically (`Confusion`: "times" written as + more often than not), so that the
+supervised model's most likely answer is wrong while the right one is still among
+its samples. RL on the execution reward then has something to fix.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-_OPS = {"plus": "+", "minus": "-", "times": "*"}
+OPERATOR_WORDS = {"plus": "+", "minus": "-", "times": "*"}
+_OPS = OPERATOR_WORDS
 _ARGS = ("n", "x", "a", "v", "k")
 _NAMES = ("f", "g", "h", "calc", "step", "apply", "compute", "value")
 
@@ -62,13 +65,30 @@ def make_tasks(count: int, seed: int, prefix: str = "task",
     return [make_task(rng, f"{prefix}-{seed}-{i}", constants) for i in range(count)]
 
 
-def noisy_demonstration(task: CodeTask, rng: random.Random, correct_fraction: float) -> str:
-    """The reference body with probability `correct_fraction`, else a wrong one."""
-    if rng.random() < correct_fraction:
-        return task.reference
+@dataclass(frozen=True)
+class Confusion:
+    """A systematic demonstrator error: tasks whose operator is the word `written_as`'s
+    key are demonstrated with the operator `written_as[word]` (same constant) with
+    probability `rate`, and correctly otherwise."""
+
+    written_as: Mapping[str, str]
+    rate: float
+
+
+def noisy_demonstration(task: CodeTask, rng: random.Random, correct_fraction: float,
+                        confusion: Confusion | None = None) -> str:
+    """The reference body with probability `correct_fraction`, else a wrong one; tasks
+    that `confusion` covers follow its rate instead."""
     # "    return n + 3\n" -> another operator or constant that computes a different
     # function (n + 0, n - 0 and n * 1 are all the identity).
     head, op, const = task.reference.rstrip("\n").rsplit(" ", 2)
+    word = next(w for w, o in _OPS.items() if o == op)
+    if confusion is not None and word in confusion.written_as:
+        if rng.random() < confusion.rate:
+            return f"{head} {_OPS[confusion.written_as[word]]} {const}\n"
+        return task.reference
+    if rng.random() < correct_fraction:
+        return task.reference
     wrong = [
         (o, c) for o in _OPS.values() for c in range(10)
         if any(_expected(o, i, c) != _expected(op, i, int(const)) for i in (-3, 7))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from moerl.data.code_tasks import make_tasks, noisy_demonstration
+from moerl.data.code_tasks import OPERATOR_WORDS, Confusion, make_tasks, noisy_demonstration
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,10 @@ class DataConfig:
     strict: bool = False
     sft_correct_fraction: float = 0.5  # code_tasks: share of correct SFT demonstrations
     constants: list[int] | None = None  # code_tasks: the tasks' constants; null: 0-9
+    # code_tasks: a systematic demonstrator error, operator word -> the word written
+    # instead ({times: plus}), on a share `sft_confusion_rate` of those tasks' demonstrations
+    sft_confusions: dict[str, str] = field(default_factory=dict)
+    sft_confusion_rate: float = 0.6
 
     def __post_init__(self) -> None:
         if self.source == "jsonl" and not self.path:
@@ -55,6 +59,19 @@ class DataConfig:
         if self.constants is not None and (
                 not self.constants or any(not 0 <= c <= 9 for c in self.constants)):
             raise ValueError("data.constants: a non-empty list of digits 0-9, or null for all")
+        words = sorted(OPERATOR_WORDS)
+        for word, written in self.sft_confusions.items():
+            if word not in OPERATOR_WORDS or written not in OPERATOR_WORDS or word == written:
+                raise ValueError(
+                    f"data.sft_confusions: {word}: {written} is not a confusion of two "
+                    f"different operator words out of {words}, e.g. {{times: plus}}")
+        if not 0.0 <= self.sft_confusion_rate <= 1.0:
+            raise ValueError("data.sft_confusion_rate: must be within [0, 1]")
+
+    def confusion(self) -> Confusion | None:
+        if not self.sft_confusions:
+            return None
+        return Confusion(dict(self.sft_confusions), self.sft_confusion_rate)
 
 
 @dataclass
@@ -67,7 +84,8 @@ class LoadReport:
 
 
 def _code_records(count: int, seed: int, prefix: str, sft_fraction: float,
-                  constants: list[int] | None) -> list[PromptRecord]:
+                  constants: list[int] | None,
+                  confusion: Confusion | None = None) -> list[PromptRecord]:
     rng = random.Random(seed + 7919)
     return [
         PromptRecord(
@@ -75,7 +93,7 @@ def _code_records(count: int, seed: int, prefix: str, sft_fraction: float,
             prompt=t.prompt,
             reward="humaneval",
             spec={"prompt": t.prompt, "test": t.tests, "entry_point": t.entry_point},
-            reference=noisy_demonstration(t, rng, sft_fraction),
+            reference=noisy_demonstration(t, rng, sft_fraction, confusion),
         )
         for t in make_tasks(count, seed, prefix, constants)
     ]
@@ -133,7 +151,7 @@ def load_prompts(cfg: DataConfig) -> tuple[list[PromptRecord], list[PromptRecord
     """(train, eval, report) records for the config."""
     if cfg.source == "code_tasks":
         train = _code_records(cfg.train_size, cfg.seed, "train", cfg.sft_correct_fraction,
-                              cfg.constants)
+                              cfg.constants, cfg.confusion())
         held_out = _code_records(cfg.eval_size, cfg.seed + 1_000_003, "eval", 1.0, cfg.constants)
         return train, held_out, LoadReport(loaded=len(train))
     assert cfg.path is not None

@@ -109,6 +109,8 @@ def group_metrics(groups: Sequence[ScoredGroup], cfg: RLConfig) -> dict[str, flo
         "reward/pass_rate": statistics.fmean(passed) if passed else 0.0,
         "reward/infra_errors": float(sum(res.error_kind is not None for res in results)),
         "rollout/response_length": statistics.fmean(lengths) if lengths else 0.0,
+        "rollout/response_length_max": float(max(lengths, default=0)),
+        "rollout/response_length_p50": statistics.median(lengths) if lengths else 0.0,
         "rollout/stop_fraction": statistics.fmean(finished) if finished else 0.0,
         "rollout/informative_groups": float(sum(g.informative for g in groups)),
     }

@@ -33,7 +33,9 @@ class FakeEngines:
         with self.lock:
             self.calls += 1
             version = self.version
-        return [[Sample(tuple(p), (i % 3, 257), (-1.0, -0.5), "stop", version, text=str(i % 3))
+        # Sample i has i + 1 tokens before the end of sequence.
+        return [[Sample(tuple(p), (i % 3,) * (i + 1) + (257,), (-1.0,) * (i + 2), "stop",
+                        version, text=str(i % 3))
                  for i in range(n)] for p in prompts]
 
     def update_weights(self, path: Path, version: int) -> None:
@@ -102,6 +104,9 @@ def test_modes_complete_within_the_staleness_bound(tmp_path: Path, mode: str) ->
             assert set(versions) == {step}  # on-policy
     logged = [r for r in rows if "async/staleness_max_trained" in r]
     assert len(logged) == 6 and max(r["async/staleness_max_trained"] for r in logged) <= 1
+    for row in logged:  # group_size 4: 2, 3, 4 and 5 tokens
+        assert (row["rollout/response_length"], row["rollout/response_length_p50"],
+                row["rollout/response_length_max"]) == (3.5, 3.5, 5.0)
     assert sum(1 for r in rows if "eval/pass_rate" in r) == 2  # first and last
     for row in logged:  # the whole step: in sync mode also the collection before training
         phases = row["time/train"] + row["time/sync"]
