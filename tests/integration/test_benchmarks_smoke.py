@@ -6,11 +6,15 @@ A benchmark declares, as module-level literals read without importing it (import
 would load torch and Megatron into the test process):
     TABLE_TITLE        text printed on the line that starts its result table (required)
     NEEDS_EXECUTABLES  programs it cannot run without, e.g. ("bwrap",) (optional)
+    NEEDS_MODULES      Python modules of an optional extra it cannot run without, e.g.
+                       ("trl",) (optional): skipped when this test's interpreter cannot
+                       find them (importlib.util.find_spec)
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import shutil
 import signal
@@ -44,6 +48,10 @@ def constants(script: Path) -> dict[str, Any]:
 
 def needs(script: Path) -> tuple[str, ...]:
     return tuple(constants(script).get("NEEDS_EXECUTABLES", ()))
+
+
+def needs_modules(script: Path) -> tuple[str, ...]:
+    return tuple(constants(script).get("NEEDS_MODULES", ()))
 
 
 def benchmark_params() -> list[Any]:
@@ -86,6 +94,9 @@ def test_benchmark_runs_in_smoke_mode(script: Path) -> None:
     missing = [exe for exe in needs(script) if shutil.which(exe) is None]
     if missing:
         pytest.skip(f"{', '.join(missing)} not installed")
+    absent = [name for name in needs_modules(script) if importlib.util.find_spec(name) is None]
+    if absent:
+        pytest.skip(f"Python module {', '.join(absent)} not installed (an optional extra)")
     proc = run_smoke(script)
     assert proc.returncode == 0, f"{script.name} --smoke failed:\n{_tail(proc.stdout, proc.stderr)}"
     lines = proc.stdout.splitlines()
