@@ -4,8 +4,8 @@ machine. Prints seconds per RL step, samples/s, and the held-out greedy pass rat
 wall time from the start of SFT.
 
     .venv/bin/pip install -e '.[bench]'   # TRL and what it needs; not a runtime dependency
-    .venv/bin/python benchmarks/learning_vs_trl.py [--rl-steps 30] [--prompts 8] [--group 8] \
-        [--sft-steps 200] [--eval-interval 10] [--threshold 0.5]
+    .venv/bin/python benchmarks/learning_vs_trl.py [--rl-steps 24] [--prompts 16] [--group 8] \
+        [--sft-steps 400] [--eval-interval 8] [--threshold 0.5]
     .venv/bin/python benchmarks/learning_vs_trl.py --smoke   # 2 SFT and 2 RL steps of 2 x 2
 
 Sizes and hyperparameters are `moerl train +experiment=demo` with the options above as
@@ -90,14 +90,14 @@ class Trace:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sft-steps", type=int, default=200)
-    parser.add_argument("--rl-steps", type=int, default=30)
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per RL step")
+    parser.add_argument("--sft-steps", type=int, default=400)
+    parser.add_argument("--rl-steps", type=int, default=24)
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per RL step")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt")
-    parser.add_argument("--updates", type=int, default=4, help="optimizer steps per RL step")
+    parser.add_argument("--updates", type=int, default=2, help="optimizer steps per RL step")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--eval-size", type=int, default=64, help="held-out tasks")
-    parser.add_argument("--eval-interval", type=int, default=10, help="RL steps")
+    parser.add_argument("--eval-interval", type=int, default=8, help="RL steps")
     parser.add_argument("--seed", type=int, default=0, help="rl.seed: initial weights, sampling")
     parser.add_argument("--threshold", type=float, default=None,
                         help="held-out pass rate to reach (default: see the docstring)")
