@@ -5,7 +5,7 @@ for responses of one length and for long-tailed lengths.
 
     .venv/bin/python benchmarks/async_speedup.py [--steps 8] [--prompts 4] [--group 8] \
         [--lengths fixed,long-tail]
-    .venv/bin/python benchmarks/async_speedup.py --smoke   # 2 steps of 2 x 2 samples each
+    .venv/bin/python benchmarks/async_speedup.py --smoke  # long-tail only: 2 steps of 2 x 2 samples
 
 The runs are those of benchmarks/rl_step.py (no SFT, fixed-size steps, a model fresh
 from initialisation). "fixed": every response runs to `--max-tokens`. "long-tail": a
@@ -32,7 +32,8 @@ from rl_step import add_run_arguments, run
 
 TABLE_TITLE = "async against sync RL steps"
 NEEDS_EXECUTABLES = ("bwrap",)
-SMOKE = {"steps": 2, "prompts": 2, "group": 2, "max_tokens": 4, "tail_max_tokens": 8}
+SMOKE = {"steps": 2, "prompts": 2, "group": 2, "max_tokens": 4, "tail_max_tokens": 8,
+         "lengths": "long-tail"}
 LENGTHS = ("fixed", "long-tail")
 
 

@@ -11,33 +11,49 @@ script requeue the job.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import signal
 import sys
+from multiprocessing.managers import SyncManager
 from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from moerl.parent_death import die_with_parent
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+_helper_manager: SyncManager | None = None
 
 
 def start_helpers_ignoring(signals: tuple[signal.Signals, ...]) -> None:
     """Start the process-wide helper of megatron-core's checkpoint writer (the
-    multiprocessing Manager behind its results queue) with `signals` ignored.
+    multiprocessing Manager behind its results queue) with `signals` ignored, and
+    bound to this process's life.
 
     SLURM delivers a job step's signal to every process of the step (proctrack/cgroup),
     helpers included; a helper that dies of SIGUSR1 breaks the very checkpoint the
     signal asks for (BrokenPipeError on the next save). An ignored disposition is
     inherited by the helper and survives its exec; ours is restored afterwards.
+    Megatron would start the Manager itself, one that outlives a SIGKILLed trainer
+    (with multiprocessing's resource tracker, which waits for it); ours gets the
+    parent-death signal and is the one megatron's `get_write_results_queue` returns.
     """
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
-        get_write_results_queue,
-    )
+    global _helper_manager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    if filesystem_async._results_queue is not None:
+        return
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
     try:
-        get_write_results_queue()
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=die_with_parent, initargs=(os.getpid(), signal.SIGKILL))
+        _helper_manager = manager
+        filesystem_async._results_queue = manager.Queue()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

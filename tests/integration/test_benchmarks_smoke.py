@@ -28,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
 # Far above a smoke run (well under a minute each); a loaded machine may be slow.
-TIMEOUT_S = 300
+TIMEOUT_S = 600
 # Executables whose absence is already a test category of its own.
 MARKS = {"bwrap": pytest.mark.sandbox}
 

@@ -13,6 +13,7 @@ children do, and nothing outside the run does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -115,6 +116,39 @@ def test_killing_the_rollout_server_stops_the_run(tmp_path: Path) -> None:
     assert len(started) == 3, text[-3000:]
     assert [p for p in started if not _is_zombie(p)] == []
     assert run_processes(rendezvous) == {}
+
+
+@pytest.mark.timeout(300)
+def test_sigint_to_launcher_and_trainer_together_leaves_nothing(tmp_path: Path) -> None:
+    """Ctrl-C twice as a terminal (or a `timeout` wrapper) delivers it: to the launcher
+    and to every trainer process (torchrun and its ranks) at once."""
+    run, out = tmp_path / "run", tmp_path / "launcher.out"
+    rendezvous = run / "rendezvous"
+    argv = [PY, "-m", "moerl.launchers.cli", "train", "+experiment=demo", "sft.steps=0",
+            "rl.steps=200", "rl.prompts_per_step=2", "rl.eval_interval=0", "data.eval_size=4",
+            f"run_dir={run}"]  # fmt: skip
+    with open(out, "wb") as sink:
+        launcher = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+    try:
+        _until(lambda: (run / "weights").is_dir() and _stage_pid(rendezvous, "trainer") is not None,
+               240, "trainer in its RL loop", out)
+        trainer = [pid for pid, _ in run_processes(rendezvous).items()
+                   if _environ(pid).get("MOERL_STAGE") == "trainer"]
+        assert len(trainer) >= 2, run_processes(rendezvous)  # torchrun and its rank
+        for _ in range(3):  # the later ones land while the launcher tears down
+            for pid in [launcher.pid, *trainer]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGINT)
+            time.sleep(0.15)
+        code = launcher.wait(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    text = out.read_text(errors="replace")
+    assert code != 0, text[-3000:]
+    _until(lambda: run_processes(rendezvous) == {}, 30, "every process of the run gone", out)
 
 
 SERVER = """

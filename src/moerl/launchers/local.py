@@ -5,8 +5,11 @@ group so that teardown reaches whatever it forked; the launcher waits until ever
 replica has announced itself in the rendezvous directory and answers its health
 path, then runs the trainer in the foreground while watching the servers. Whatever
 happens (success, a crash, Ctrl-C, SIGTERM) every process group gets SIGTERM, then
-SIGKILL after a grace period. Each process writes to `<log_dir>/<stage>.<i>.log`;
-with `echo` its lines are also printed with a `[stage.i]` prefix.
+SIGKILL after a grace period; signals that arrive meanwhile are ignored. Each stage
+process is started through `moerl.parent_death`, so it gets SIGTERM when the launcher
+dies without a teardown (SIGKILL); torchrun's ranks die with torchrun the same way.
+Each process writes to `<log_dir>/<stage>.<i>.log`; with `echo` its lines are also
+printed with a `[stage.i]` prefix.
 
 SIGUSR1 to the launcher is the graceful stop: it is passed on to the trainer's
 ranks, which finish their step, checkpoint and exit for requeue while the servers
@@ -31,7 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO
+from typing import IO, Any
 
 from moerl.launchers.proctree import (
     children,
@@ -42,6 +45,7 @@ from moerl.launchers.proctree import (
     still_running,
 )
 from moerl.launchers.stages import RunPlan, StageSpec
+from moerl.parent_death import wrapped
 from moerl.rendezvous import (
     ENV_HOST,
     ENV_INDEX,
@@ -55,6 +59,9 @@ from moerl.rendezvous import (
 )
 
 LOG_TAIL_LINES = 30
+# The launcher's own signals: SIGINT and SIGTERM tear the run down, SIGUSR1 stops it
+# for requeue.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 class StageFailed(RuntimeError):
@@ -126,15 +133,43 @@ def _signals(usr1: Callable[[], None]) -> Iterator[None]:
         yield
         return
 
+    # The first signal that tears the run down makes the next ones ignored, so none
+    # can cut teardown short (the launcher's `finally`) before it has begun.
     def terminate(signum: int, frame: FrameType | None) -> None:
+        _ignore(STOP_SIGNALS)
         raise Terminated(f"launcher got signal {signum}")
 
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        _ignore(STOP_SIGNALS)
+        raise KeyboardInterrupt
+
     def stop(signum: int, frame: FrameType | None) -> None:
-        usr1()
+        try:
+            usr1()
+        except Terminated:
+            _ignore(STOP_SIGNALS)
+            raise
 
     previous = {sig: signal.signal(sig, handler)
                 for sig, handler in ((signal.SIGTERM, terminate), (signal.SIGUSR1, stop),
-                                     (signal.SIGINT, signal.default_int_handler))}
+                                     (signal.SIGINT, interrupt))}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _ignore(signals: tuple[signal.Signals, ...]) -> dict[signal.Signals, Any]:
+    """Ignore `signals` (main thread only); returns the handlers they had."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
+
+
+@contextmanager
+def _ignoring_stop_signals() -> Iterator[None]:
+    previous = _ignore(STOP_SIGNALS)
     try:
         yield
     finally:
@@ -165,16 +200,16 @@ class LocalLauncher:
         # Announcements left by an earlier run would point at dead servers.
         shutil.rmtree(self.plan.rendezvous_dir, ignore_errors=True)
         self.plan.rendezvous_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            with _signals(self._stop_trainer):
+        with _signals(self._stop_trainer):
+            try:
                 for stage in self.plan.servers:
                     self._start_servers(stage)
                 for stage in self.plan.servers:
                     self._wait_ready(stage)
                 self._trainer = self._start(self.plan.trainer, 0, 0)
                 return self._supervise(self._trainer)
-        finally:
-            self.teardown()
+            finally:
+                self.teardown()
 
     def _stop_trainer(self) -> None:
         """SIGUSR1: pass it on to the trainer's ranks (they checkpoint, then exit)."""
@@ -213,7 +248,8 @@ class LocalLauncher:
         log_path = self.plan.log_dir / f"{label}.log"
         log_path.write_bytes(b"")
         popen = subprocess.Popen(
-            self._command(stage, index, port),
+            # SIGTERM when the launcher dies, even of SIGKILL: no stage outlives it.
+            wrapped(self._command(stage, index, port), signal.SIGTERM),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -271,8 +307,15 @@ class LocalLauncher:
         """SIGTERM every process group, SIGKILL what is left after `grace` seconds.
 
         Descendants are recorded first: once their parent is gone they can no
-        longer be found, and torchrun's ranks are outside its process group.
+        longer be found, and torchrun's ranks are outside its process group. The
+        launcher's own stop signals are ignored meanwhile: a second Ctrl-C (or the
+        SIGINT a `timeout` wrapper passes on right after the first) must not cut
+        teardown short and leave servers running.
         """
+        with _ignoring_stop_signals():
+            self._teardown()
+
+    def _teardown(self) -> None:
         strays = {pid: start for p in self.procs for pid, start in descendants(p.pgid).items()}
         for proc in reversed(self.procs):  # trainer first: it is the servers' client
             signal_group(proc.pgid, signal.SIGTERM)

@@ -9,6 +9,7 @@ when CUDA is present and gloo otherwise (where the CPU shims are applied first).
 from __future__ import annotations
 
 import os
+import signal
 import socket
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from megatron.core import tensor_parallel
 
 from moerl.parallel.cpu_shims import apply_cpu_shims
 from moerl.parallel.layout import LayoutError, ParallelLayout
+from moerl.parent_death import die_with_parent
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,10 @@ def _init_process_group(backend: str) -> None:
     if dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            # A rank of torchrun: it must not outlive its agent (a SIGKILLed torchrun
+            # runs no teardown, and each rank is in a session of its own).
+            die_with_parent(os.getppid(), signal.SIGKILL)
         dist.init_process_group(backend=backend)
         return
     # One process without torchrun: a private store, so tests can run in parallel.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import marshal
 import secrets
+import signal
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,7 @@ def grade_channel(run: ExecutionResult, nonce: str, total: int) -> RewardResult:
     passed: set[int] = set()
     failed: set[int] = set()
     load_state, load_error = "missing", ""
+    candidate_signal: int | None = None
     for line in run.channel.splitlines():
         try:  # Python literals (see pyharness.py); whatever else is on a line is skipped
             record = ast.literal_eval(line.decode())
@@ -122,16 +124,21 @@ def grade_channel(run: ExecutionResult, nonce: str, total: int) -> RewardResult:
                                         f"{str(record.get('error'))[:500]}")
         if record.get("kind") == "load":
             load_state, load_error = str(record.get("state")), str(record.get("error"))
+        if record.get("kind") == "candidate_exit" and type(record.get("signal")) is int:
+            candidate_signal = record["signal"]
         index = record.get("index")
         if record.get("kind") == "test" and type(index) is int and 0 <= index < total:
             (passed if record.get("passed") is True else failed).add(index)
     n_passed = len(passed - failed)
     compiled = load_state != "compile_error" if load_state != "missing" else None
+    limits_hit = list(run.limits_hit)
+    if candidate_signal == signal.SIGXFSZ and "file_size" not in limits_hit:
+        limits_hit.append("file_size")  # the grader exited normally; its candidate did not
     status = run.status.value
     if compiled is False:
         status = ExecutionStatus.COMPILE_ERROR.value
-    elif run.limits_hit:  # e.g. the candidate killed for memory while the grader exited 0
-        status = limit_status(run.limits_hit[0])
+    elif limits_hit:  # e.g. the candidate killed for memory while the grader exited 0
+        status = limit_status(limits_hit[0])
     return RewardResult(
         reward=n_passed / total,
         passed=n_passed,
@@ -142,7 +149,8 @@ def grade_channel(run: ExecutionResult, nonce: str, total: int) -> RewardResult:
             "load": load_state,
             "load_error": load_error[:500],
             "stderr": run.text("stderr")[-500:],
-            "limits_hit": list(run.limits_hit),
+            "limits_hit": list(limits_hit),
+            "candidate_signal": candidate_signal,
         },
     )
 
@@ -214,6 +222,8 @@ class StdioReward:
                 ok = run.status is ExecutionStatus.OK and not run.stdout_truncated
                 passed += ok and normalize_output(run.text()) == normalize_output(case["output"])
         worst = next((s for s in statuses if s != "ok"), "ok")
+        if hit_limits and worst != "ok":
+            worst = limit_status(hit_limits[0])
         return RewardResult(
             reward=passed / len(cases), passed=passed, total=len(cases),
             compile_ok=True if compiled is not None else None, status=worst,

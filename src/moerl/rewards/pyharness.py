@@ -21,12 +21,14 @@ that contains an assert is one test; the grader outside counts them itself.
 
 from __future__ import annotations
 
+import _signal
 import ast
 import builtins
 import marshal
 import os
 import struct
 import sys
+import time
 
 # Start-up time is most of an item's cost, so only modules that cost little are
 # imported (no json, re or typing); ctypes is imported by the grader after the fork.
@@ -157,6 +159,9 @@ class Candidate:
                 os.close(null)
                 os.environ.clear()
                 os.environ.update(_CANDIDATE_ENV)
+                # CPython ignores SIGXFSZ (a write past the file-size limit fails with
+                # EFBIG); the default action kills the candidate, so the limit is seen.
+                _signal.signal(_signal.SIGXFSZ, _signal.SIG_DFL)
                 candidate_main(req_r, resp_w)
             finally:
                 os._exit(0)
@@ -164,6 +169,20 @@ class Candidate:
         os.close(resp_w)
         self.state: list[Any] = ["load_error", "candidate not loaded"]
         self.dead = True
+
+    def reap(self) -> int | None:
+        """End the candidate (its end of the request pipe closes, so it returns) and
+        wait for it; one that does not exit within a second is killed. Returns the signal
+        that ended it, or None for a normal exit."""
+        os.close(self.req_w)
+        for _ in range(100):
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+            time.sleep(0.01)
+        os.kill(self.pid, 9)
+        os.waitpid(self.pid, 0)
+        return None
 
     def load(self, source: str, entry_point: str) -> None:
         try:
@@ -232,6 +251,7 @@ def grader_main() -> None:
         if any(isinstance(node, ast.Assert) for node in ast.walk(statement)):
             emit({"kind": "test", "index": index, "passed": error is None, "error": error})
             index += 1
+    emit({"kind": "candidate_exit", "signal": candidate.reap()})
     emit({"kind": "done"})
 
 

@@ -18,8 +18,14 @@ class Language:
     run_argv: tuple[str, ...]
 
 
+# CPython ignores SIGXFSZ, so a write past the file-size limit would only fail with
+# EFBIG; with the default action restored the program dies of the signal and the
+# result names the limit, as for programs in the other languages.
+_PYTHON_MAIN = ("import _signal; _signal.signal(_signal.SIGXFSZ, _signal.SIG_DFL); "
+                "import runpy; runpy.run_path('main.py', run_name='__main__')")  # fmt: skip
+
 LANGUAGES: dict[str, Language] = {
-    "python": Language("python", "main.py", None, ("/usr/bin/python3", "-I", "main.py")),
+    "python": Language("python", "main.py", None, ("/usr/bin/python3", "-I", "-c", _PYTHON_MAIN)),
     "bash": Language("bash", "main.sh", None, ("/bin/bash", "main.sh")),
     "c": Language(
         "c", "main.c", ("/usr/bin/gcc", "-O2", "-std=c17", "-o", "main", "main.c", "-lm"),

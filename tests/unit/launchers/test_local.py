@@ -186,6 +186,57 @@ def test_signal_to_launcher_tears_down(tmp_path: Path, sig: signal.Signals) -> N
     assert [p for p in _pids(tmp_path / "pids") if _alive(p)] == []
 
 
+def _launch(plan: RunPlan, grace: float) -> subprocess.Popen[bytes]:
+    """The launcher in a process of its own, once its trainer is running."""
+    import pickle
+
+    proc = subprocess.Popen(
+        [PY, "-c", RUN_LAUNCHER.replace("grace=1.0", f"grace={grace}"), pickle.dumps(plan).hex()],
+        env={**os.environ, "PYTHONPATH": SRC}, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not (plan.log_dir.parent / "pids" / "trainer.ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "trainer never started"
+        time.sleep(0.05)
+    return proc
+
+
+def _until_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in alive:  # nothing outlives the test, whatever it found
+        os.kill(pid, signal.SIGKILL)
+    return alive
+
+
+def test_signals_during_teardown_do_not_cut_it_short(tmp_path: Path) -> None:
+    """Ctrl-C twice, then SIGTERM, while teardown waits out a server that ignores
+    SIGTERM: teardown still SIGKILLs it and everything it started."""
+    plan = _plan(tmp_path, rollout="ignore-term", trainer="sleep")
+    proc = _launch(plan, grace=3.0)
+    for sig in (signal.SIGINT, signal.SIGINT, signal.SIGTERM, signal.SIGINT):
+        proc.send_signal(sig)
+        time.sleep(0.3)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err.decode(), err.decode()[-2000:]
+    assert [p for p in _pids(tmp_path / "pids") if _alive(p)] == []
+
+
+def test_stages_die_with_a_killed_launcher(tmp_path: Path) -> None:
+    """SIGKILL runs no teardown; the parent-death signal still reaches every stage."""
+    plan = _plan(tmp_path, trainer="sleep")
+    proc = _launch(plan, grace=1.0)
+    proc.kill()
+    proc.communicate(timeout=30)
+    stages = [int(p.read_text()) for p in (tmp_path / "pids").glob("*.pid")
+              if ".child." not in p.name]  # fmt: skip
+    assert len(stages) == 4  # 2 reward servers, a rollout server, the trainer
+    assert _until_gone(stages) == []
+    # What a stage forks is the stage's own to stop (the real servers do, on SIGTERM).
+    _until_gone(_pids(tmp_path / "pids"), timeout=0)
+
+
 def test_announce_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple[str, bool]] = []
     real_replace = os.replace

@@ -247,5 +247,22 @@ def test_limits_the_candidate_hits_are_reported(humaneval: HumanEvalReward) -> N
     result = humaneval.score(forks, {**SPEC, "limits": {"wall_time_s": 5}})
     assert result.reward == 0.0 and "pids" in result.details["limits_hit"], result  # type: ignore[operator]
     assert result.status in ("pids_limit", "timeout"), result
+    # CPython ignores SIGXFSZ; the candidate does not, so the write kills it.
+    writer = ("    open('/work/big', 'wb').write(b'x' * (3 << 20))\n    return a + b\n")
+    result = humaneval.score(writer, {**SPEC, "limits": {"max_file_size_mb": 1}})
+    assert result.reward == 0.0 and result.status == "file_size_limit", result
+    assert result.details["limits_hit"] == ["file_size"], result
     plain = humaneval.score("    return a + b\n", SPEC)
     assert plain.status == "ok" and plain.details["limits_hit"] == []
+    assert plain.details["candidate_signal"] is None
+
+
+def test_file_size_limit_of_a_python_program_is_reported(stdio: StdioReward) -> None:
+    source = "open('big', 'wb').write(b'x' * (3 << 20))\nprint(3)\n"
+    result = stdio.score(source, {"language": "python", "cases": CASES[:1],
+                                  "limits": {"max_file_size_mb": 1}})  # fmt: skip
+    assert result.reward == 0.0 and result.status == "file_size_limit", result
+    assert result.details["limits_hit"] == ["file_size"]
+    adds = "open('small', 'wb').write(b'x' * 1000)\nprint(sum(map(int, input().split())))\n"
+    small = stdio.score(adds, {"language": "python", "cases": CASES})
+    assert small.reward == 1.0 and small.details["limits_hit"] == [], small
