@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -83,30 +83,38 @@ def _stage_pid(rendezvous: Path, stage: str) -> int | None:
     return None
 
 
-@pytest.mark.timeout(300)
-def test_killing_the_rollout_server_stops_the_run(tmp_path: Path) -> None:
-    victim = "rollout"  # the reward server's death takes the same path (test below)
+@contextlib.contextmanager
+def run_in_rl_loop(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
+    """A real `moerl train` (tiny model, servers, trainer under torchrun) once its RL
+    loop has begun (the first weights published to the servers); yields the launcher,
+    the rendezvous directory and the launcher's output file. Killed on the way out."""
     run, out = tmp_path / "run", tmp_path / "launcher.out"
-    rendezvous = run / "rendezvous"
     argv = [PY, "-m", "moerl.launchers.cli", "train", "+experiment=demo", "sft.steps=0",
             "rl.steps=200", "rl.prompts_per_step=2", "rl.eval_interval=0", "data.eval_size=4",
             f"run_dir={run}"]  # fmt: skip
+    rendezvous = run / "rendezvous"
     with open(out, "wb") as sink:
         launcher = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT,
                                     start_new_session=True)
     try:
-        # The RL loop has begun once the first weights were published to the servers.
         _until(lambda: (run / "weights").is_dir() and _stage_pid(rendezvous, "trainer") is not None,
                240, "trainer in its RL loop", out)
+        yield launcher, rendezvous, out
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+
+
+@pytest.mark.timeout(300)
+def test_killing_the_rollout_server_stops_the_run(tmp_path: Path) -> None:
+    victim = "rollout"  # the reward server's death takes the same path (test below)
+    with run_in_rl_loop(tmp_path) as (launcher, rendezvous, out):
         assert launcher.poll() is None
         pid = _stage_pid(rendezvous, victim)
         assert pid is not None, run_processes(rendezvous)
         os.kill(pid, signal.SIGKILL)
         code = launcher.wait(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
     text = out.read_text(errors="replace")
     assert code != 0, text[-3000:]
     assert f"run failed: stage {victim}.0 exited (exit code -9)" in text, text[-3000:]
@@ -120,20 +128,10 @@ def test_killing_the_rollout_server_stops_the_run(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_sigint_to_launcher_and_trainer_together_leaves_nothing(tmp_path: Path) -> None:
-    """Ctrl-C twice as a terminal (or a `timeout` wrapper) delivers it: to the launcher
-    and to every trainer process (torchrun and its ranks) at once."""
-    run, out = tmp_path / "run", tmp_path / "launcher.out"
-    rendezvous = run / "rendezvous"
-    argv = [PY, "-m", "moerl.launchers.cli", "train", "+experiment=demo", "sft.steps=0",
-            "rl.steps=200", "rl.prompts_per_step=2", "rl.eval_interval=0", "data.eval_size=4",
-            f"run_dir={run}"]  # fmt: skip
-    with open(out, "wb") as sink:
-        launcher = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-    try:
-        _until(lambda: (run / "weights").is_dir() and _stage_pid(rendezvous, "trainer") is not None,
-               240, "trainer in its RL loop", out)
-        trainer = [pid for pid, _ in run_processes(rendezvous).items()
+    """Ctrl-C as a terminal (or a `timeout` wrapper) delivers it, repeatedly: to the
+    launcher and to every trainer process (torchrun and its ranks) at once."""
+    with run_in_rl_loop(tmp_path) as (launcher, rendezvous, out):
+        trainer = [pid for pid in run_processes(rendezvous)
                    if _environ(pid).get("MOERL_STAGE") == "trainer"]
         assert len(trainer) >= 2, run_processes(rendezvous)  # torchrun and its rank
         for _ in range(3):  # the later ones land while the launcher tears down
@@ -142,12 +140,7 @@ def test_sigint_to_launcher_and_trainer_together_leaves_nothing(tmp_path: Path) 
                     os.kill(pid, signal.SIGINT)
             time.sleep(0.15)
         code = launcher.wait(timeout=90)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
-    text = out.read_text(errors="replace")
-    assert code != 0, text[-3000:]
+    assert code != 0, out.read_text(errors="replace")[-3000:]
     _until(lambda: run_processes(rendezvous) == {}, 30, "every process of the run gone", out)
 
 
