@@ -55,6 +55,8 @@ from pathlib import Path
 
 from _smoke import parse_with_smoke
 
+from moerl.parent_death import wrapped
+
 TABLE_TITLE = "learning vs TRL: same task, SFT then GRPO, held-out greedy pass rate"
 NEEDS_EXECUTABLES = ("bwrap",)
 NEEDS_MODULES = ("trl",)
@@ -119,8 +121,9 @@ def run_moerl(args: argparse.Namespace, tmp: Path, samples: int, params: int) ->
     lines: list[tuple[float, str]] = []
     rows: list[tuple[float, dict[str, float]]] = []
     started = time.time()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    # Through the parent-death wrapper: the run ends with this process on any exit.
+    proc = subprocess.Popen(wrapped(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.stdout is not None
     reader = threading.Thread(target=lambda: lines.extend(
         (time.time(), line) for line in proc.stdout or ()), daemon=True)
@@ -164,8 +167,9 @@ def run_trl(tmp: Path, spec: dict[str, object]) -> Trace:
     spec_file.write_text(json.dumps(spec))
     started = time.time()
     with open(log, "w") as out:
-        done = subprocess.run([sys.executable, "-u", str(HERE / "_trl_side.py"), str(spec_file),
-                               str(result)], stdout=out, stderr=subprocess.STDOUT,
+        argv = wrapped([sys.executable, "-u", str(HERE / "_trl_side.py"), str(spec_file),
+                        str(result)])
+        done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT,
                               env={**os.environ, "PYTHONWARNINGS": "ignore"}, check=False)
     if done.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])

@@ -27,6 +27,8 @@ from pathlib import Path
 
 from _smoke import parse_with_smoke
 
+from moerl.parent_death import wrapped
+
 TABLE_TITLE = "one RL step, phase by phase"
 NEEDS_EXECUTABLES = ("bwrap",)
 SMOKE = {"steps": 2, "prompts": 2, "group": 2, "max_tokens": 4}
@@ -65,7 +67,9 @@ def run(args: argparse.Namespace, run_dir: Path, extra: Sequence[str] = ()
         env["OMP_NUM_THREADS"] = str(args.threads)
     log = run_dir.parent / "train.log"
     with open(log, "wb") as out:
-        done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env, check=False)
+        # The launcher ends with this process on any exit and takes its stages with it.
+        done = subprocess.run(wrapped(argv), stdout=out, stderr=subprocess.STDOUT, env=env,
+                              check=False)
     if done.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
         raise SystemExit(f"moerl train failed ({done.returncode}):\n{tail}")

@@ -50,15 +50,18 @@ def _tail(path: Path, lines: int = 30) -> str:
 def rollout_server(threads: int, max_batch: int, rendezvous: Path) -> Iterator[Callable[[], str]]:
     """Start a rollout server process; yields a call that waits until it has announced
     itself and returns its URL, so the caller can work while the server starts."""
+    from moerl.parent_death import wrapped
     from moerl.rendezvous import discover
 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
     log = rendezvous / "server.log"
     with open(log, "wb") as err:
+        # Through the parent-death wrapper: the server ends with this process on any exit,
+        # a SIGKILL of the benchmark included.
         proc = subprocess.Popen(
-            [sys.executable, "-m", "moerl.rollout.server", "--host", "127.0.0.1",
-             "--port", "0", "--seed", str(SEED), "--max-batch", str(max_batch),
-             "--rendezvous-dir", str(rendezvous)],
+            wrapped([sys.executable, "-m", "moerl.rollout.server", "--host", "127.0.0.1",
+                     "--port", "0", "--seed", str(SEED), "--max-batch", str(max_batch),
+                     "--rendezvous-dir", str(rendezvous)]),
             env=env, stdout=subprocess.DEVNULL, stderr=err,
         )
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import pytest
 
+# The suite leaves no process behind: tests/leftover_processes.py.
+pytest_plugins = ["leftover_processes"]
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
