@@ -41,10 +41,17 @@ def _running(tag: str) -> list[int]:
 
 
 def test_a_detached_leftover_fails_the_run_and_is_killed(tmp_path: Path) -> None:
-    body = ("    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', 'TAG'],\n"
-            "                     start_new_session=True)\n")
+    # The inner test records its marker and its child, and checks the child still runs.
+    body = ("    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)',\n"
+            "                              'TAG'], start_new_session=True)\n"
+            "    import os, pathlib, time\n"
+            "    time.sleep(0.2)\n"
+            "    assert child.poll() is None\n"
+            f"    pathlib.Path({str(tmp_path / 'seen')!r}).write_text(\n"
+            f"        f'{{child.pid}} {{os.environ.get({MARKER!r})}}')\n")
     done, tag = _run_pytest(tmp_path, body)
-    assert done.returncode == 1, done.stdout + done.stderr
+    seen = (tmp_path / "seen").read_text() if (tmp_path / "seen").exists() else "nothing"
+    assert done.returncode == 1, f"inner child and marker: {seen}\n{done.stdout}{done.stderr}"
     assert "1 passed" in done.stdout
     assert "leftover processes" in done.stdout and f"time.sleep(300) {tag}" in done.stdout
     deadline = time.monotonic() + 5
