@@ -251,6 +251,16 @@ def test_sigterm_answers_queued_items_and_exits_clean(tmp_path: Path) -> None:
             assert proc.poll() is None, "reward server exited during start-up"
             time.sleep(0.1)
         url = discover(rendezvous)[0]
+        # A HumanEval item first: the server then keeps a warm slot launched (its own work
+        # dir and cgroup, a grader waiting on stdin), which the shutdown must remove too.
+        he = {"id": "he", "reward": "humaneval", "completion": "    return x * x\n", "spec": HE}
+        first = httpx.post(f"{url}/score", json={"items": [he]}, timeout=60).json()["results"]
+        assert first[0]["reward"] == 1.0, first
+        work = Path(tempfile.gettempdir(), "moerl-sandbox-work")
+        deadline = time.monotonic() + 30
+        while not list(work.glob(f"run-{proc.pid}-*[!d]")) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the warm slot's work dir (not the shared dir of binds)
+        assert list(work.glob(f"run-{proc.pid}-*[!d]")), "no warm slot was launched"
         naps = {"language": "python", "cases": [{"input": "", "output": "ok"}]}
         items = [{"id": f"nap-{i}", "reward": "stdio", "spec": naps,
                   "completion": "import time\ntime.sleep(1.5)\nprint('ok')\n"}
@@ -273,5 +283,4 @@ def test_sigterm_answers_queued_items_and_exits_clean(tmp_path: Path) -> None:
                  and r["details"].get("stage") == "cancelled"]  # fmt: skip
     assert len(done) >= 1 and len(done) + len(cancelled) == 8, rows
     assert len(cancelled) >= 5, rows
-    work = Path(tempfile.gettempdir(), "moerl-sandbox-work")
     assert list(work.glob(f"run-{proc.pid}-*")) == []

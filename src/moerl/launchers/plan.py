@@ -64,6 +64,7 @@ def build_run_plan(
         command=_cli(
             launch, "serve", "reward", "--host", "{host}", "--port", "{port}",
             "--max-concurrency", str(rewards.max_concurrency), "--isolation", rewards.isolation,
+            *(["--warm-slots", str(rewards.warm_slots)] if rewards.warm_slots is not None else []),
         ),
         replicas=rewards.servers,
         nodes=rewards.nodes,

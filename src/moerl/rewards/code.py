@@ -96,12 +96,13 @@ class HumanEvalReward:
         nonce = secrets.token_hex(16)
         config = {"nonce": nonce, "prompt": prompt, "test": test, "program": program,
                   "entry_point": entry_point}  # fmt: skip
-        with self.sandbox.workspace() as ws:
-            run = self.sandbox.run(
-                [self.sandbox.config.python_path, "-I", "-S", _HARNESS_INSIDE], ws,
-                stdin=marshal.dumps(config), limits=_limits(self.sandbox, spec),
-                channel=True, extra_ro_binds=[(HARNESS, _HARNESS_INSIDE)],
-            )  # fmt: skip
+        # The grader forks its candidate and then reads nothing but its stdin, so a
+        # warm slot may have started it before this item existed.
+        run = self.sandbox.run_fresh(
+            [self.sandbox.config.python_path, "-I", "-S", _HARNESS_INSIDE],
+            stdin=marshal.dumps(config), limits=_limits(self.sandbox, spec),
+            channel=True, extra_ro_binds=[(HARNESS, _HARNESS_INSIDE)], starts_on_stdin=True,
+        )  # fmt: skip
         if run.is_infra_error:
             return _infra(run)
         return grade_channel(run, nonce, total)

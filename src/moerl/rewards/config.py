@@ -12,6 +12,9 @@ class RewardStageConfig:
 
     servers: int = 1
     max_concurrency: int = 2  # sandboxed executions at once per server
+    warm_slots: int | None = None
+    """Sandbox executions each server keeps launched ahead of a request (`--warm-slots`);
+    None: as many as max_concurrency; 0: launch every execution on demand."""
     isolation: Literal["strict", "no-cgroups"] = "strict"
     batch_size: int = 64  # items per request; at most the servers' --max-batch-items (1024)
     timeout_s: float = 300.0

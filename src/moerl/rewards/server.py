@@ -21,8 +21,9 @@ import threading
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from moerl.rendezvous import ENV_INDEX, ENV_RENDEZVOUS, announce
 from moerl.rewards.protocol import InvalidSpec, RewardFunction, RewardResult
 from moerl.rewards.registry import BUILTIN, RewardLoadError, load_rewards
 from moerl.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
+from moerl.sandbox.workspace import remove_shared_copies
 
 log = logging.getLogger(__name__)
 
@@ -228,9 +230,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="reward functions to serve (default: the built-in ones)")  # fmt: skip
     parser.add_argument("--isolation", choices=["strict", "no-cgroups"], default="strict",
                         help="'no-cgroups' is weaker; see moerl.sandbox.config")  # fmt: skip
+    parser.add_argument("--warm-slots", type=int, default=None,
+                        help="executions launched ahead of requests, per kind (default: "
+                        "--max-concurrency; 0 launches each on demand)")  # fmt: skip
     args = parser.parse_args(argv)
     if min(args.max_concurrency, args.max_batch_items, args.max_completion_bytes) < 1:
         parser.error("--max-concurrency, --max-batch-items and --max-completion-bytes: >= 1")
+    if args.warm_slots is None:
+        args.warm_slots = args.max_concurrency
+    if args.warm_slots < 0:
+        parser.error("--warm-slots: >= 0")
     return args
 
 
@@ -269,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        sandbox = Sandbox(SandboxConfig(isolation=args.isolation))
+        sandbox = Sandbox(SandboxConfig(isolation=args.isolation, warm_slots=args.warm_slots))
         rewards = load_rewards(_reward_paths(args.reward), sandbox)
     except (SandboxUnavailable, RewardLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -286,10 +295,27 @@ def main(argv: list[str] | None = None) -> int:
             scorer.stopping.set()
             super().handle_exit(sig, frame)
 
+    published: list[Path] = []
+
+    def shut_down() -> None:
+        """Idempotent: from the lifespan's end (uvicorn re-raises a caught SIGTERM once
+        it has shut down, so nothing after `server.run()` runs then) and on other exits."""
+        for path in published:
+            path.unlink(missing_ok=True)
+        scorer.stopping.set()
+        scorer.pool.shutdown(wait=True, cancel_futures=True)
+        sandbox.close()  # idle warm slots: their processes, groups and work dirs
+        remove_shared_copies(sandbox.config.work_root)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        shut_down()
+
+    app.router.lifespan_context = lifespan
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=max(1, round(args.grace_s)))  # fmt: skip
     server = DrainingServer(config)
-    published: list[Path] = []
     announcer = threading.Thread(
         target=_announce, args=(server, args.host, args.rendezvous_dir, published), daemon=True
     )
@@ -297,12 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.run()
     finally:
-        for path in published:
-            path.unlink(missing_ok=True)
-        scorer.stopping.set()
-        scorer.pool.shutdown(wait=True, cancel_futures=True)
+        shut_down()
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -79,13 +79,18 @@ def bwrap_argv(
     return [*args, "--", *argv]
 
 
-def starter_argv(started_fd: int, channel_fd: int | None, argv: Sequence[str]) -> list[str]:
+def starter_argv(started_fd: int, channel_fd: int | None, argv: Sequence[str], *,
+                 gate_fd: int | None = None) -> list[str]:
     """The first process inside: it writes one byte to `started_fd`, closes it and execs
     the program. A byte there proves bwrap finished its set-up, so a failure without it
     is the sandbox's (an infra error), and one with it is the program's. The program
-    cannot fake either: the pipe is closed before it runs. bash, not dash, because dash
-    cannot redirect to fds above 9."""
+    cannot fake either: the pipe is closed before it runs. With `gate_fd` (a warm slot)
+    it then waits for one byte on that pipe before the exec, and exits without running
+    the program when the pipe closes empty. bash, not dash, because dash cannot
+    redirect to fds above 9."""
     script = f"printf S >&{started_fd} && exec {started_fd}>&- && "
+    if gate_fd is not None:
+        script += f"IFS= read -r -n 1 -u {gate_fd} _ && exec {gate_fd}<&- && "
     if channel_fd is not None:
         script += f"export {CHANNEL_ENV_NAME}={channel_fd} && "
     return ["/bin/bash", "--norc", "--noprofile", "-c", script + 'exec "$@"', "moerl-start", *argv]

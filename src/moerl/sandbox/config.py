@@ -110,12 +110,17 @@ class SandboxConfig:
     """Sub-tree created under this process's own cgroup for each controller."""
     sandbox_uid: int = 65534
     sandbox_gid: int = 65534
+    warm_slots: int = 0
+    """Executions `Sandbox.run_fresh` keeps launched ahead of time per launch signature
+    (bwrap set up, each slot used once; see warm.py); 0 launches every run on demand."""
 
     def __post_init__(self) -> None:
         if self.isolation not in ("strict", "no-cgroups"):
             raise ValueError(
                 f"SandboxConfig.isolation must be 'strict' or 'no-cgroups', got {self.isolation!r}"
             )
+        if self.warm_slots < 0:
+            raise ValueError(f"SandboxConfig.warm_slots must be >= 0, got {self.warm_slots}")
         if self.sandbox_uid == 0 or self.sandbox_gid == 0:
             raise ValueError("SandboxConfig.sandbox_uid/gid must not be 0 (root)")
         object.__setattr__(self, "default_limits", self.default_limits.clamped_to(self.max_limits))

@@ -3,39 +3,27 @@
 Thread-safe: a reward server calls `Sandbox.run` from many threads at once. Each call
 has its own cgroup, work dir and pipes; fds are handed to the child only through
 `pass_fds`, so one run never inherits another's pipes. Note that `--die-with-parent`
-is tied to the *thread* that started bwrap: `run` blocks in that thread until the end.
+is tied to the *thread* that started bwrap: `run` blocks in that thread until the end,
+and warm slots (warm.py) are launched by the pool's own long-lived thread.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
-import secrets
-import signal
-import subprocess
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from moerl.sandbox import capture
-from moerl.sandbox.bwrap import (
-    LAUNCH_ENV,
-    bwrap_argv,
-    drop_privileges_argv,
-    launcher_argv,
-    starter_argv,
-)
-from moerl.sandbox.cgroups import Cgroup, CgroupLayout, CgroupUnavailable, detect, sweep_stale
+from moerl.sandbox.cgroups import CgroupLayout, CgroupUnavailable, detect, sweep_stale
 from moerl.sandbox.config import WEAKER_MODE_NOTICE, Limits, SandboxConfig
+from moerl.sandbox.launch import Launched, finish, launch, new_group
 from moerl.sandbox.result import ExecutionResult, sandbox_error
 from moerl.sandbox.seccomp import SeccompUnsupported, build_filter
-from moerl.sandbox.verdict import classify
+from moerl.sandbox.warm import LaunchSignature, Slot, WarmPool
 from moerl.sandbox.workspace import Workspace, readable_copy, sweep_stale_workspaces
 
 log = logging.getLogger(__name__)
-_CHANNEL_CAP = 8 << 20
 
 
 class SandboxUnavailable(RuntimeError):
@@ -74,6 +62,8 @@ class Sandbox:
             sweep_stale(self.layout)
         else:
             log.warning("sandbox in weaker mode: %s", WEAKER_MODE_NOTICE)
+        self._warm = (WarmPool(self._launch_slot, self.config.warm_slots)
+                      if self.config.warm_slots > 0 else None)  # fmt: skip
 
     def workspace(self) -> Workspace:
         return Workspace(self.config.work_root, (self.config.sandbox_uid, self.config.sandbox_gid))
@@ -95,105 +85,98 @@ class Sandbox:
         `channel`, the program finds a write-only pipe at fd $MOERL_CHANNEL_FD whose bytes
         come back in `result.channel`."""
         lim = self.clamp(limits)
-        group = None
-        if self.layout is not None:
-            group = Cgroup(self.layout, f"{os.getpid()}-{next(self._runs)}-{secrets.token_hex(4)}")
-            try:
-                group.create(lim.memory_mb << 20, lim.max_processes)
-            except OSError as exc:
-                group.remove()
-                return sandbox_error(f"cannot create cgroup: {exc}")
         try:
-            return self._run(argv, workspace, stdin, lim, channel, extra_ro_binds, group)
+            binds = self._binds(extra_ro_binds)
+        except OSError as exc:
+            return sandbox_error(f"cannot bind {exc.filename} into the sandbox: {exc.strerror}")
+        launched = self._launch(argv, workspace, lim, channel, binds, gated=False)
+        if isinstance(launched, ExecutionResult):
+            return launched
+        try:
+            return finish(launched, stdin)
         finally:
-            if group is not None:
-                if not group.kill_all():
-                    log.error("sandbox cgroup %s did not empty", group.dirs)
-                group.remove()
+            self._teardown(launched)
 
-    def _run(
+    def run_fresh(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes = b"",
+        limits: Limits | None = None,
+        channel: bool = False,
+        extra_ro_binds: Sequence[tuple[Path, str]] = (),
+        starts_on_stdin: bool = False,
+    ) -> ExecutionResult:
+        """`run` in a fresh, empty work dir, from a warm slot when the pool has one
+        (`SandboxConfig.warm_slots`). `starts_on_stdin`: the program does nothing before
+        it reads its stdin, so a warm slot may start it ahead of the request."""
+        try:
+            signature = LaunchSignature(tuple(argv), self.clamp(limits), channel,
+                                        tuple(self._binds(extra_ro_binds)), starts_on_stdin)
+        except OSError as exc:
+            return sandbox_error(f"cannot bind {exc.filename} into the sandbox: {exc.strerror}")
+        warm = self._warm
+        slot = warm.take(signature) if warm is not None else None
+        taken = slot is not None
+        if slot is None:
+            made = self._launch_slot(signature)
+            if isinstance(made, ExecutionResult):
+                return made
+            slot = made
+        try:
+            return finish(slot.launched, stdin)
+        finally:
+            self._teardown(slot.launched)
+            slot.workspace.remove()
+            if warm is not None and taken:
+                warm.release(signature)
+
+    @property
+    def warm_pool(self) -> WarmPool | None:
+        return self._warm
+
+    def close(self) -> None:
+        """Stop the warm pool (idle slots killed, their groups and work dirs removed)."""
+        if self._warm is not None:
+            self._warm.close()
+            self._warm = None
+
+    def _binds(self, extra_ro_binds: Sequence[tuple[Path, str]]) -> list[tuple[Path, str]]:
+        return [(readable_copy(host, self.config.work_root), inside)
+                for host, inside in extra_ro_binds]  # fmt: skip
+
+    def _launch_slot(self, signature: LaunchSignature) -> Slot | ExecutionResult:
+        workspace = self.workspace()
+        launched = self._launch(signature.argv, workspace, signature.limits, signature.channel,
+                                signature.binds, gated=not signature.starts_on_stdin)
+        if isinstance(launched, ExecutionResult):
+            workspace.remove()
+            return launched
+        return Slot(launched, workspace)
+
+    def _launch(
         self,
         argv: Sequence[str],
         workspace: Workspace,
-        stdin: bytes,
         lim: Limits,
         channel: bool,
-        extra_ro_binds: Sequence[tuple[Path, str]],
-        group: Cgroup | None,
-    ) -> ExecutionResult:
+        binds: Sequence[tuple[Path, str]],
+        *,
+        gated: bool,
+    ) -> Launched | ExecutionResult:
         try:
-            binds = [(readable_copy(host, self.config.work_root), inside)
-                     for host, inside in extra_ro_binds]  # fmt: skip
+            group = new_group(self.layout, next(self._runs), lim)
         except OSError as exc:
-            return sandbox_error(f"cannot bind {exc.filename} into the sandbox: {exc.strerror}")
-        seccomp_fd = os.memfd_create("moerl-seccomp")
-        os.write(seccomp_fd, self._seccomp)
-        os.lseek(seccomp_fd, 0, os.SEEK_SET)
-        started_r, started_w = os.pipe()
-        chan_r, chan_w = os.pipe() if channel else (None, None)
-        command = bwrap_argv(
-            self.config, workspace.path, starter_argv(started_w, chan_w, argv),
-            seccomp_fd=seccomp_fd,
-            extra_ro_binds=binds,
-        )  # fmt: skip
-        procs = group.procs_files() if group is not None else []
-        passed = tuple(fd for fd in (seccomp_fd, started_w, chan_w) if fd is not None)
-        start = time.monotonic()
-        try:
-            proc = subprocess.Popen(
-                launcher_argv(procs, lim, [*drop_privileges_argv(self.config), *command]),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=passed,
-                env=dict(LAUNCH_ENV), close_fds=True, cwd="/",
-            )  # fmt: skip
-        except OSError as exc:
-            for fd in (*passed, started_r, chan_r):
-                if fd is not None:
-                    os.close(fd)
-            return sandbox_error(f"cannot start bubblewrap: {exc}")
-        for fd in passed:
-            os.close(fd)
-        assert proc.stdout is not None and proc.stderr is not None and proc.stdin is not None
-        pid_fd = os.pidfd_open(proc.pid)
-        streams = capture.new_capture(
-            proc.stdout.fileno(), proc.stderr.fileno(), started_r, chan_r,
-            lim.max_output_bytes, _CHANNEL_CAP,
-        )  # fmt: skip
+            return sandbox_error(f"cannot create cgroup: {exc}")
+        launched = launch(self.config, self._seccomp, argv, workspace, lim, group,
+                          channel=channel, binds=binds, gated=gated)  # fmt: skip
+        if isinstance(launched, ExecutionResult) and group is not None:
+            group.remove()
+        return launched
 
-        def kill() -> None:
-            if group is not None:
-                group.kill_all()
-            else:  # bwrap is pid 1 of the namespace: its death takes every process with it
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-
-        try:
-            stdin_fd = os.dup(proc.stdin.fileno())
-            proc.stdin.close()
-            capture.collect(
-                pid_fd=pid_fd, stdin_fd=stdin_fd, stdin_data=stdin, streams=streams,
-                deadline=start + lim.wall_time_s, kill=kill,
-            )  # fmt: skip
-            kill_if_alive(proc.pid, kill)
-            # wait4 rather than Popen.wait: it also returns the tree's rusage.
-            _, wait_status, usage = os.wait4(proc.pid, 0)
-            proc.returncode = os.waitstatus_to_exitcode(wait_status)
-            wall = time.monotonic() - start
-        finally:
-            os.close(pid_fd)
-            for fd in (started_r, chan_r):
-                if fd is not None:
-                    os.close(fd)
-            proc.stdout.close()
-            proc.stderr.close()
-        stats = group.stats() if group is not None else None
-        return classify(streams, wait_status, usage, wall, lim, stats)
-
-
-def kill_if_alive(pid: int, kill: Callable[[], None]) -> None:
-    """If collection ended without an exit (a stuck teardown), kill again before the
-    blocking wait."""
-    if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
-        kill()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    @staticmethod
+    def _teardown(launched: Launched) -> None:
+        if launched.group is not None:
+            if not launched.group.kill_all():
+                log.error("sandbox cgroup %s did not empty", launched.group.dirs)
+            launched.group.remove()

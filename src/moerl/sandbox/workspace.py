@@ -96,6 +96,16 @@ class Workspace:
         self.remove()
 
 
+def _shared_dir(root: Path | None) -> Path:
+    return _base(root) / f"run-{os.getpid()}-shared"
+
+
+def remove_shared_copies(root: Path | None) -> None:
+    """Remove this process's copies of bound files (at exit; the sweep removes those of
+    a process that died)."""
+    shutil.rmtree(_shared_dir(root), ignore_errors=True)
+
+
 def readable_copy(host: Path, root: Path | None) -> Path:
     """A world-readable copy of the file `host` for a read-only bind into the sandbox
     (a directory is returned as it is).
@@ -106,7 +116,7 @@ def readable_copy(host: Path, root: Path | None) -> Path:
     """
     if host.is_dir():
         return host
-    shared = _base(root) / f"run-{os.getpid()}-shared"
+    shared = _shared_dir(root)
     digest = hashlib.sha256(str(host.resolve()).encode()).hexdigest()[:16]
     target = shared / f"{digest}-{host.name}"
     if not target.exists() or target.stat().st_mtime < host.stat().st_mtime:

@@ -1,7 +1,9 @@
 """Code rewards against the real sandbox: pass rates, compile status, and the tricks
 that must never pass (RELIABILITY.md cases 8, 9, 10 and the always-equal object)."""
 
+import dataclasses
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,9 +27,18 @@ SPEC = {
 }
 
 
-@pytest.fixture(scope="module")
-def humaneval(sandbox: Sandbox) -> HumanEvalReward:
-    return HumanEvalReward(sandbox)
+@pytest.fixture(scope="module", params=["cold", "warm"])
+def humaneval(request: pytest.FixtureRequest, sandbox: Sandbox) -> Iterator[HumanEvalReward]:
+    """Every HumanEval case twice: each item launched on demand, and from warm slots
+    (the grader started and its candidate forked before the item exists)."""
+    if request.param == "cold":
+        yield HumanEvalReward(sandbox)
+        return
+    warm = Sandbox(dataclasses.replace(sandbox.config, warm_slots=2))
+    try:
+        yield HumanEvalReward(warm)
+    finally:
+        warm.close()
 
 
 def test_correct_partial_and_wrong_completions(humaneval: HumanEvalReward) -> None:
