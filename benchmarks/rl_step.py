@@ -2,6 +2,7 @@
 the sandbox, rollout server, trainer; local processes), no SFT, fixed-size steps.
 
     .venv/bin/python benchmarks/rl_step.py [--steps 6] [--prompts 4] [--group 8]
+    .venv/bin/python benchmarks/rl_step.py --before REV   # also REV's code, same run
     .venv/bin/python benchmarks/rl_step.py --smoke   # 2 steps of 2 x 2 samples
 
 Each step generates `prompts x group` samples of the demo's code task (no dynamic
@@ -9,7 +10,9 @@ sampling, one generation round, one update), so every step has the same size. Th
 table shows each phase's median over the steps after the first (the first warms up),
 its share of the step, and "between phases": the step's wall time (`time/step`, from
 the start of generation to the end of the weight push) less the phases, i.e. the
-handing over of samples, advantages and metrics.
+handing over of samples, advantages and metrics. With `--before REV` the same run is
+made first with the code and configs of git revision REV (a temporary worktree, this
+environment's packages), and both tables are printed with the ratio of each phase.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from _smoke import parse_with_smoke
@@ -49,12 +53,15 @@ def add_run_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_run_arguments(parser, steps=6)
+    parser.add_argument("--before", metavar="REV", default=None,
+                        help="also measure git revision REV's code, first, in the same run")
     return parse_with_smoke(parser, SMOKE, argv)
 
 
-def run(args: argparse.Namespace, run_dir: Path, extra: Sequence[str] = ()
-        ) -> list[dict[str, float]]:
-    """The steps' metric rows of one `moerl train` run; `extra`: more overrides."""
+def run(args: argparse.Namespace, run_dir: Path, extra: Sequence[str] = (),
+        src: Path | None = None) -> list[dict[str, float]]:
+    """The steps' metric rows of one `moerl train` run; `extra`: more overrides; `src`:
+    another checkout's src/ to run instead of this one's."""
     argv = [sys.executable, "-m", "moerl.launchers.cli", "train", "+experiment=demo", "sft=none",
             f"run_dir={run_dir}", "checkpoint.dir=null", "logger.wandb_mode=disabled",
             f"rl.steps={args.steps}", f"rl.prompts_per_step={args.prompts}",
@@ -63,6 +70,8 @@ def run(args: argparse.Namespace, run_dir: Path, extra: Sequence[str] = ()
             "data.eval_size=2",
             f"rl.sampling.max_tokens={args.max_tokens}", *extra]  # fmt: skip
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     log = run_dir.parent / "train.log"
@@ -77,29 +86,71 @@ def run(args: argparse.Namespace, run_dir: Path, extra: Sequence[str] = ()
     return [r for r in rows if "time/step" in r]
 
 
+@contextmanager
+def worktree(rev: str) -> Iterator[Path]:
+    """A temporary checkout of `rev` from this repository."""
+    repo = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="moerl-before-") as tmp:
+        path = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", "-q", str(path),
+                        rev], check=True)  # fmt: skip
+        try:
+            yield path
+        finally:
+            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(path)],
+                           check=False)  # fmt: skip
+
+
+def phases(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Median seconds of each phase over the steps after the first, "between phases"
+    and the whole step."""
+    measured = steps[1:] or steps
+    out = {key: statistics.median(r.get(f"time/{key}", 0.0) for r in measured)
+           for key, _ in PHASES}  # fmt: skip
+    out["step"] = statistics.median(r["time/step"] for r in measured)
+    out["between"] = max(out["step"] - sum(out[key] for key, _ in PHASES), 0.0)
+    return out
+
+
+def print_table(columns: dict[str, dict[str, float]]) -> None:
+    """One column per run (the last is this code's); its share of the step; with two
+    runs, the ratio of the first to the second."""
+    labels = [*PHASES, ("between", "between phases"), ("step", "whole step")]
+    now = list(columns.values())[-1]
+    pair = len(columns) == 2
+    print(f"{'phase':<30}" + "".join(f" {name:>12}" for name in columns)
+          + f" {'share':>6}" + (" before/after" if pair else ""))  # fmt: skip
+    for key, label in labels:
+        values = [c[key] for c in columns.values()]
+        line = f"{label:<30}" + "".join(f" {v:>12.3f}" for v in values)
+        line += f" {now[key] / now['step']:>6.0%}"
+        if pair and values[1] > 0:
+            line += f" {values[0] / values[1]:>12.2f}x"
+        print(line)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    columns: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="moerl-rl-step-") as tmp:
+        if args.before:
+            (Path(tmp) / "before").mkdir()
+            with worktree(args.before) as tree:
+                columns[args.before[:10]] = phases(
+                    run(args, Path(tmp) / "before" / "run", src=tree / "src"))
         started = time.perf_counter()
-        steps = run(args, Path(tmp) / "run")
+        (Path(tmp) / "after").mkdir()
+        columns["this code"] = phases(run(args, Path(tmp) / "after" / "run"))
         wall = time.perf_counter() - started
-    measured = steps[1:] or steps
-    step = statistics.median(r["time/step"] for r in measured)
     samples = args.prompts * args.group
+    step = columns["this code"]["step"]
     print(TABLE_TITLE)
-    print(f"{samples} samples a step ({args.prompts} prompts x {args.group}), "
-          f"median of {len(measured)} steps; whole run {wall:.0f} s with start-up")  # fmt: skip
-    print(f"{'phase':<30} {'s':>7} {'share':>6}")
-    accounted = 0.0
-    for key, label in PHASES:
-        seconds = statistics.median(r.get(f"time/{key}", 0.0) for r in measured)
-        accounted += seconds
-        print(f"{label:<30} {seconds:>7.3f} {seconds / step:>6.0%}")
-    print(f"{'between phases':<30} {max(step - accounted, 0.0):>7.3f} "
-          f"{max(step - accounted, 0.0) / step:>6.0%}")  # fmt: skip
-    print(f"{'whole step':<30} {step:>7.3f} {1:>6.0%}")
-    print(f"samples/s: {samples / step:.1f}")
-
+    print(f"{samples} samples a step ({args.prompts} prompts x {args.group}), median of "
+          f"{max(args.steps - 1, 1)} steps; this code's run took {wall:.0f} s with start-up")
+    print_table(columns)
+    print(f"samples/s: {samples / step:.1f}"
+          + "".join(f"; {name}: {samples / c['step']:.1f}" for name, c in columns.items()
+                    if name != "this code"))
 
 if __name__ == "__main__":
     main()
