@@ -15,13 +15,15 @@ server, trainer). TRL 1.x: SFTTrainer on the same rows in the same order (sequen
 sampling), its model saved, then GRPOTrainer from it (loss_type "grpo", beta = moerl's
 KL coefficient, the same clip range, learning rate, Adam settings, group size, prompts
 in moerl's order, max tokens, temperature; transformers generation), on
-DeepseekV3ForCausalLM built from moerl's architecture (no MTP head, so fewer
-parameters) and moerl's byte tokenizer. Its reward runs the unit tests in a fresh
-`python -I -S` per completion, as many at once as moerl's reward server
-(rewards.max_concurrency). The runs go one after the other (moerl first), each with
-this process's OMP_NUM_THREADS (1 unless set), so measure on an otherwise idle machine:
-other load skews one run and not the other. --seed sets both systems' initial weights
-(not to the same values) and sampling; one seed's learning curve is one sample.
+DeepseekV3ForCausalLM built from moerl's architecture and moerl's byte tokenizer;
+transformers' model has no MTP head, so moerl runs the preset without one too
+(`model.mtp_num_layers=0`; `--mtp` keeps it: about a fifth more compute a step). Its
+reward runs the unit tests in a fresh `python -I -S` per completion, as many at once
+as moerl's reward server (rewards.max_concurrency). The runs go one after the other
+(moerl first), each with this process's OMP_NUM_THREADS (1 unless set), so measure on
+an otherwise idle machine: other load skews one run and not the other. --seed sets
+both systems' initial weights (not to the same values) and sampling; one seed's
+learning curve is one sample.
 
 Times count from the start of SFT (the optimizer loop; model building and imports
 are start-up, shown on their own). moerl's SFT start is its progress bar's elapsed
@@ -101,6 +103,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-size", type=int, default=64, help="held-out tasks")
     parser.add_argument("--eval-interval", type=int, default=8, help="RL steps")
     parser.add_argument("--seed", type=int, default=0, help="rl.seed: initial weights, sampling")
+    parser.add_argument("--mtp", action="store_true",
+                        help="keep the tiny preset's MTP head on the moerl side (TRL's model has "
+                        "none; without this flag both run the same architecture)")
     parser.add_argument("--threshold", type=float, default=None,
                         help="held-out pass rate to reach (default: see the docstring)")
     return parse_with_smoke(parser, SMOKE, argv)
@@ -111,7 +116,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
             f"rl.prompts_per_step={args.prompts}", f"rl.group_size={args.group}",
             f"rl.updates_per_step={args.updates}", f"rl.sampling.max_tokens={args.max_tokens}",
             f"data.eval_size={args.eval_size}", f"rl.eval_interval={args.eval_interval}",
-            f"rl.seed={args.seed}"]
+            f"rl.seed={args.seed}", *([] if args.mtp else ["model.mtp_num_layers=0"])]
 
 
 def run_moerl(args: argparse.Namespace, tmp: Path, samples: int, params: int) -> Trace:

@@ -19,9 +19,12 @@ threads (where `preexec_fn` is unsafe):
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 
 _PR_SET_PDEATHSIG = 1
@@ -40,6 +43,20 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent_pid:
         os.kill(os.getpid(), sig)
+
+
+def die_with_parent_and_preload(parent_pid: int, sig: int, modules: Sequence[str]) -> None:
+    """`die_with_parent`, then import `modules` in a background thread: the initializer
+    of a helper process that will need them later but must answer at once. This module
+    imports nothing heavy, so unpickling this function costs the helper nothing."""
+    die_with_parent(parent_pid, sig)
+
+    def preload() -> None:
+        time.sleep(0.5)  # let the helper start serving: the imports hold the GIL
+        for name in modules:
+            importlib.import_module(name)
+
+    threading.Thread(target=preload, name="preload", daemon=True).start()
 
 
 def wrapped(argv: Sequence[str], sig: int = signal.SIGTERM) -> list[str]:

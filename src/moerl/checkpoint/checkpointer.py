@@ -67,7 +67,7 @@ from moerl.checkpoint.store import (
     step_name,
 )
 from moerl.checkpoint.trainable import Trainable
-from moerl.signals import StopOnSignal
+from moerl.signals import StopOnSignal, start_helpers_ignoring
 
 __all__ = ["FAULT_ENV", "CheckpointConfig", "CheckpointError", "Checkpointer", "Fingerprints",
            "Resumed"]
@@ -124,6 +124,7 @@ class Checkpointer:
             error = f"rank {rank()}: {err!r}"
         self._fail_cleanly(error, tmp, "checkpoint save (step state)")
         request = None
+        start_helpers_ignoring()  # the writer's helper, started cheaply and bound to us
         try:
             request = dist_checkpointing.save(
                 sharded_state(trainable, with_optimizer=True, loading=False),

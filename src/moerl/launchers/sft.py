@@ -59,7 +59,7 @@ def run_sft_command(overrides: list[str]) -> int:
     from moerl.models.weights import save_weights
     from moerl.parallel.groups import destroy_parallel, init_parallel
     from moerl.rendezvous import request_requeue
-    from moerl.signals import STOP_SIGNALS, StopOnSignal
+    from moerl.signals import STOP_SIGNALS, StopOnSignal, start_helpers_ignoring
     from moerl.trainer.sft import build_sft_trainable, run_sft, sft_optim
     from moerl.trainer.step import StepMetrics
 
@@ -79,6 +79,7 @@ def run_sft_command(overrides: list[str]) -> int:
         start = resumed.step if resumed else 0
         stopped = False
         with StopOnSignal(STOP_SIGNALS if ckpt else ()) as stop:
+            start_helpers_ignoring()  # now, so that its start-up overlaps training
             def after(step: int, metrics: StepMetrics) -> bool:
                 nonlocal stopped
                 if ckpt is not None:

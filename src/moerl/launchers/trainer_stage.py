@@ -32,7 +32,7 @@ from moerl.rl.policy import Policy
 from moerl.rl.resume import RLCheckpoints
 from moerl.rl.weight_sync import build_weight_sync
 from moerl.rollout.client import ClientConfig, RolloutClient
-from moerl.signals import STOP_SIGNALS, StopOnSignal
+from moerl.signals import STOP_SIGNALS, StopOnSignal, start_helpers_ignoring
 from moerl.trainer.sft import build_sft_trainable, run_sft
 from moerl.typed_config import from_dict, to_dict
 
@@ -97,6 +97,7 @@ def trainer_main(cfg: RunConfig, dirs: RunLayout) -> int:
     groups = init_parallel(cfg.parallel, seed=cfg.rl.seed)
     try:
         with StopOnSignal(STOP_SIGNALS if cfg.checkpoint.enabled else ()) as stop:
+            start_helpers_ignoring()  # now, so that its start-up overlaps SFT
             stopped = _run(cfg, dirs, groups, stop)
         return request_requeue() if stopped else 0
     finally:

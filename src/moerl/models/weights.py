@@ -22,6 +22,7 @@ from megatron.core import dist_checkpointing
 
 from moerl.models.weights_marker import MARKER as _MARKER
 from moerl.models.weights_marker import is_complete
+from moerl.signals import start_helpers_ignoring
 
 
 class WeightsError(RuntimeError):
@@ -59,6 +60,7 @@ def save_weights(chunks: list[torch.nn.Module], directory: str | Path) -> Path:
     if final.exists():
         raise FileExistsError(f"weights directory {final} exists already; pick a new one")
     tmp = final.with_name(f".{final.name}.partial")
+    start_helpers_ignoring()  # the writer's helper, started cheaply and bound to us
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
