@@ -225,7 +225,10 @@ class LocalLauncher:
 
     def _start_servers(self, stage: StageSpec) -> None:
         for index in range(stage.replicas):
-            port = stage.port_base + index if stage.port_base else free_port(self.host)
+            if stage.port_base:
+                port = stage.port_base + index
+            else:
+                port = 0 if stage.binds_any_port else free_port(self.host)
             self._start(stage, index, port)
 
     def _command(self, stage: StageSpec, index: int, port: int) -> list[str]:

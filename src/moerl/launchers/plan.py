@@ -58,6 +58,7 @@ def build_run_plan(
         nodes=rollout.nodes,
         gpus_per_node=rollout.gpus_per_node,
         env={"OMP_NUM_THREADS": "1", **launch_env(rollout.engine)},
+        binds_any_port=rollout.engine == "moerl",  # vLLM / SGLang need a port to bind
     )
     reward_stage = StageSpec(
         name="reward",
@@ -69,6 +70,7 @@ def build_run_plan(
         replicas=rewards.servers,
         nodes=rewards.nodes,
         cpus=rewards.cpus,
+        binds_any_port=True,
     )
     return RunPlan(
         stages=(trainer, rollout_stage, reward_stage),

@@ -42,6 +42,10 @@ class StageSpec:
     health_path: str = "/health"
     port_base: int = 0
     """replica i listens on port_base + i; 0 picks free ports (local only)."""
+    binds_any_port: bool = False
+    """the server takes port 0, binds a free port itself and announces the one it got:
+    locally it is given 0, so no other process can take the port between its choice and
+    the bind (two runs on one machine collided that way)."""
     ranks_per_node: int = 1
     """trainer ranks per node (torchrun --nproc-per-node)."""
     torchrun: bool = True

@@ -33,6 +33,7 @@ from moerl.rendezvous import announce_from_env
 pids, mode, port = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3].split("=")[1])
 name = f"{os.environ['MOERL_STAGE']}.{os.environ['MOERL_STAGE_INDEX']}"
 (pids / f"{name}.pid").write_text(str(os.getpid()))
+(pids / f"{name}.port-given").write_text(str(port))
 child = subprocess.Popen(["sleep", "300"])  # stays in this process group
 (pids / f"{name}.child.pid").write_text(str(child.pid))
 if mode == "crash":
@@ -93,7 +94,7 @@ def _pids(directory: Path) -> list[int]:
 
 
 def _plan(tmp: Path, *, reward: str = "ok", rollout: str | None = "ok", trainer: str = "0",
-          replicas: int = 2) -> RunPlan:  # fmt: skip
+          replicas: int = 2, binds_any_port: bool = False) -> RunPlan:  # fmt: skip
     (tmp / "pids").mkdir(exist_ok=True)
     (tmp / "server.py").write_text(SERVER)
     (tmp / "trainer.py").write_text(TRAINER)
@@ -101,7 +102,7 @@ def _plan(tmp: Path, *, reward: str = "ok", rollout: str | None = "ok", trainer:
 
     def server(name: stages.StageName, mode: str, n: int) -> StageSpec:
         argv = (PY, str(tmp / "server.py"), str(tmp / "pids"), mode, "--port={port}")
-        return StageSpec(name, argv, replicas=n, env=env)
+        return StageSpec(name, argv, replicas=n, env=env, binds_any_port=binds_any_port)
 
     specs = [server("reward", reward, replicas)]
     if rollout is not None:
@@ -123,6 +124,19 @@ def test_discovers_endpoints_and_leaves_nothing(tmp_path: Path) -> None:
     assert len(pids) == 7  # 3 servers, 3 forked sleeps, the trainer
     assert [p for p in pids if _alive(p)] == []  # the TERM-ignoring one was KILLed
     assert (plan.log_dir / "reward.0.log").exists() and (plan.log_dir / "trainer.0.log").exists()
+
+
+def test_servers_that_bind_any_port_are_given_port_0(tmp_path: Path) -> None:
+    """No window between choosing a port and binding it: the server binds a free one
+    and announces it (two runs on one machine took the same chosen port)."""
+    plan = _plan(tmp_path, binds_any_port=True)
+    launcher = LocalLauncher(plan, grace=1.0, startup_timeout=30)
+    assert launcher.run() == 0
+    given = {p.name: p.read_text() for p in (tmp_path / "pids").glob("*.port-given")}
+    assert given == {"reward.0.port-given": "0", "reward.1.port-given": "0",
+                     "rollout.0.port-given": "0"}
+    ports = [int(e.rsplit(":", 1)[1]) for v in launcher.endpoints.values() for e in v]
+    assert len(ports) == 3 and all(ports)
 
 
 def test_trainer_exit_code_is_returned(tmp_path: Path) -> None:
@@ -275,3 +289,20 @@ def test_discover_waits_and_orders(tmp_path: Path) -> None:
     assert discover(tmp_path, "rollout", 2, timeout=1) == ["127.0.0.1:8000", "127.0.0.1:8001"]
     with pytest.raises(TimeoutError, match="2 of 3 endpoints"):
         discover(tmp_path, "rollout", 3, timeout=0.3)
+
+
+@pytest.mark.parametrize("engine", ["moerl", "vllm"])
+def test_run_plan_gives_port_0_to_servers_that_announce_themselves(
+        tmp_path: Path, engine: str) -> None:
+    from moerl.config import LaunchConfig
+    from moerl.launchers.plan import build_run_plan
+    from moerl.rewards.config import RewardStageConfig
+    from moerl.rollout.config import RolloutStageConfig
+
+    rollout = RolloutStageConfig(engine=engine, hf_model_dir=str(tmp_path) if engine != "moerl"
+                                 else None)  # fmt: skip
+    plan = build_run_plan(tmp_path, [], LaunchConfig(), rollout, RewardStageConfig(),
+                          tmp_path / "arch.json")
+    binds = {s.name: s.binds_any_port for s in plan.stages}
+    # The moerl servers bind port 0 and announce; vLLM needs its port chosen for it.
+    assert binds == {"trainer": False, "rollout": engine == "moerl", "reward": True}
