@@ -35,10 +35,10 @@ def _pool(box: Sandbox) -> WarmPool:
 
 
 def _filled(box: Sandbox, argv: list[str], **kwargs: object) -> None:
-    """Send one request of this signature (it fills the pool), then wait for two idle slots."""
+    """Send one request of this signature (it fills the pool), then wait for every slot."""
     box.run_fresh(argv, **kwargs)  # type: ignore[arg-type]
     deadline = time.monotonic() + 30
-    while _pool(box).idle_count() < 2:
+    while _pool(box).idle_count() < box.config.warm_slots:
         assert time.monotonic() < deadline, "the pool did not fill"
         time.sleep(0.02)
 
