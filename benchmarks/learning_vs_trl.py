@@ -32,8 +32,7 @@ row appeared in metrics.jsonl (polled every 0.25 s). Evaluations (greedy, the he
 set) follow RL steps 0, every --eval-interval and the last, in both; their time counts.
 An RL step is moerl's `time/step` (generation to weight push), and TRL's
 `--updates` optimizer steps, generation included; the median leaves out the first.
-moerl keeps only groups whose rewards differ (the demo's dynamic sampling), so it may
-train on fewer samples than it generates; TRL trains on all. The threshold (default:
+Both train on every group they generate (the demo samples no groups away). The threshold (default:
 halfway from the better after-SFT pass rate to the best rate either reached) is met
 at the first evaluation at or above it.
 """
@@ -153,7 +152,8 @@ def run_moerl(args: argparse.Namespace, tmp: Path, samples: int, params: int) ->
                  [r.get("time/reward", 0.0) for r in steps], samples,
                  [(int(r["step"]), t - t0, r["eval/pass_rate"]) for t, r in rows
                   if "eval/pass_rate" in r], [r["reward/mean"] for r in steps],
-                 note=f"moerl trained {kept:.1f} of {args.prompts} groups a step on average")
+                 note=f"moerl: {kept:.1f} of {args.prompts} groups a step on average had "
+                      "rewards that differ (the rest add only the KL term)")
 
 
 def sft_window(lines: list[tuple[float, str]]) -> tuple[float, float]:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from moerl.checkpoint.config import CheckpointConfig
 from moerl.data.prompts import DataConfig
 from moerl.models.arch import MoEArch
+from moerl.models.precision import PrecisionConfig, RecomputeConfig
 from moerl.observability import LoggerConfig
 from moerl.parallel.layout import ParallelLayout
 from moerl.rewards.config import RewardStageConfig
@@ -85,6 +86,15 @@ def check_init_weights(path: str | None) -> None:
             f"init_weights: {path} is not a complete weights directory; give the output "
             "of `moerl sft` (<out_dir>/weights) or `moerl hf import`"
         )
+
+
+def check_recompute(precision: PrecisionConfig, recompute: RecomputeConfig) -> None:
+    """The recompute settings against the precision, as far as they can be checked
+    before the machine is known (`precision.transformer_impl=auto` may give TE)."""
+    try:
+        recompute.check(precision, te=precision.transformer_impl != "local")
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
 
 
 @dataclass
@@ -159,12 +169,15 @@ class RunConfig:
     launcher: LaunchConfig
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # SLURM only
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     run_dir: str = "runs/default"
     seq_length: int = 4096  # for FLOP counts (model-info)
     init_weights: str | None = None  # weights dir the run starts from (moerl sft / hf import)
 
     def __post_init__(self) -> None:
         check_init_weights(self.init_weights)
+        check_recompute(self.precision, self.recompute)
         if self.rl.sampling.max_tokens + self.data.max_prompt_tokens > (
                 self.model.max_position_embeddings):
             raise ConfigError(

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from moerl.data.synthetic import SyntheticCorpus
 from moerl.models.arch import TINY
 from moerl.models.build import build_model
+from moerl.models.precision import ResolvedPrecision
 from moerl.parallel.groups import destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
 from moerl.trainer.config import OptimConfig
@@ -71,7 +72,8 @@ def static_bytes(model: list[Any]) -> dict[str, int]:
 
 def run(layout: ParallelLayout, bf16: bool, seq_length: int, micro_batch: int) -> dict[str, Any]:
     groups = init_parallel(layout, seed=1234)
-    chunks = build_model(TINY, layout, bf16=bf16, qk_layernorm=True)
+    chunks = build_model(TINY, layout, precision=ResolvedPrecision(te=False, bf16=bf16),
+                         qk_layernorm=True)
     trainable = build_optimizer(chunks, OptimConfig(), layout)
     corpus = SyntheticCorpus(TINY.vocab_size, seq_length, seed=7)
     batches = batch_iterators(corpus, 0, groups, micro_batch * layout.dp, micro_batch)

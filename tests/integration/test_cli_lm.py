@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 def _moerl(*args: str) -> subprocess.CompletedProcess[str]:
@@ -34,3 +35,37 @@ def test_bad_config_fails_at_start_naming_the_field(override: str, field: str) -
     proc = _moerl("train-lm", override)
     assert proc.returncode == 2
     assert field in proc.stderr
+
+
+def _losses(proc: subprocess.CompletedProcess[str]) -> tuple[str, str]:
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    match = re.search(r"loss (\S+) -> (\S+)", proc.stdout)
+    assert match, proc.stdout[-2000:]
+    return match.group(1), match.group(2)
+
+
+def test_recompute_from_the_config_trains_the_same() -> None:
+    """Recompute changes what is kept, not what is computed: the same losses."""
+    plain = _losses(_moerl("train-lm", "train.steps=3"))
+    assert _losses(_moerl("train-lm", "train.steps=3", "recompute=full")) == plain
+    assert _losses(_moerl("train-lm", "train.steps=3", "recompute=selective",
+                          "recompute.modules=[core_attn,mla_up_proj,moe]")) == plain
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a CPU-only machine refuses")
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("precision=fp8", "precision.transformer_impl=transformer_engine"),
+        ("precision.fp8=delayed", "precision.fp8=delayed"),
+        ("precision.params_dtype=bf16", "precision.params_dtype=bf16"),
+        ("precision.offload_optimizer=true", "precision.offload_optimizer"),
+        ("recompute=selective", "recompute.modules"),
+        ("recompute.modules=[attention]", "recompute.modules: unknown"),
+    ],
+)
+def test_precision_this_machine_lacks_fails_at_start_naming_the_field(
+        override: str, field: str) -> None:
+    proc = _moerl("train-lm", override)
+    assert proc.returncode == 2
+    assert field in proc.stderr, proc.stderr[-2000:]

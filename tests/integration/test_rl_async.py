@@ -1,6 +1,7 @@
 """`rl.mode=async` through the real stages (reward server with the sandbox, rollout
 server, trainer as local processes): the next step's samples are generated while the
-current one trains, so trained samples are one weight version old, never more."""
+current one trains, so trained samples are one weight version old, never more. The
+policy update runs with full activation recompute (`recompute=full`)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def test_async_run_trains_one_version_stale_samples(tmp_path: Path) -> None:
             f"rl.steps={STEPS}", "rl.prompts_per_step=2", "rl.group_size=4",
             "rl.max_generation_rounds=1", "rl.dynamic_sampling=false", "rl.mode=async",
             "rl.max_staleness=1", "rl.eval_interval=0", "data.eval_size=2",
-            "rl.sampling.max_tokens=8"]  # fmt: skip
+            "rl.sampling.max_tokens=8",
+            "recompute=full"]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

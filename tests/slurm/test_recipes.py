@@ -3,6 +3,7 @@ accepted by a SLURM controller declaring an H100 cluster of the recipes' size.""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 
 import pytest
@@ -37,3 +38,41 @@ def test_trainer_gets_the_recipe_layout(stem: str) -> None:
 def test_controller_accepts_script(stem: str, slurm_cloud: dict[str, str]) -> None:
     verdict = slurm.test_only(recipes.script_path(stem).read_text(), env=slurm_cloud)
     assert "to start at" in verdict and "gpu[001-" in verdict, verdict
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_trainer_and_rollout_run_the_plan_the_recipe_names(stem: str) -> None:
+    """Field by field: the trainer's command line composes to the recipe's model,
+    layout, sequence length, precision and recompute; the rollout servers compute in
+    the trainer's precision; and the memory model, reading the composed run's fields,
+    still finds the layout fits."""
+    from moerl.config import load_run_config
+    from moerl.models.arch import get_preset
+    from moerl.planning.cost import ClusterSpec
+    from moerl.planning.plan import SearchSettings, check_layout, judge
+    from moerl.planning.run_fields import settings_of_run
+    from moerl.rollout.server import _parse
+
+    recipe = recipes.load_recipe(recipes.REPO / "configs" / "experiment" / f"{stem}.yaml")
+    trainer, rollout, _ = recipes.run_plan(recipe, recipes.SHARED / "runs" / stem).stages
+    argv = list(trainer.command)
+    overrides = [a for a in argv[argv.index("trainer") + 1:] if not a.startswith("run_dir=")]
+    cfg = load_run_config(overrides)
+    assert cfg.model == get_preset(recipe.model)
+    assert cfg.seq_length == recipe.seq_length
+    for key, value in recipe.parallel.items():
+        assert getattr(cfg.parallel, key) == value, key
+    planned = settings_of_run(cfg.precision, cfg.recompute)
+    assert (planned.precision, planned.layer_spec, planned.recompute) == (
+        recipe.run.precision, recipe.run.layer_spec, recipe.run.recompute)
+    served = [a.format(host="h", port=1) for a in rollout.command]
+    args = _parse(served[served.index("rollout") + 1:])
+    assert (args.transformer_impl, args.params_dtype, args.fp8) == (
+        cfg.precision.transformer_impl, cfg.precision.params_dtype, cfg.precision.fp8)
+    run = dataclasses.replace(recipe.run, precision=planned.precision,
+                              layer_spec=planned.layer_spec, recompute=planned.recompute)
+    search = SearchSettings()
+    uneven = check_layout(cfg.parallel, cfg.model, search)
+    candidate = judge(cfg.model, cfg.parallel, run, ClusterSpec(nodes=recipe.trainer_nodes),
+                      search, uneven)
+    assert candidate.fits, candidate.reason

@@ -155,3 +155,18 @@ def test_optimizer_state_gather() -> None:
             (RuntimeError, AssertionError, torch.AcceleratorError)):
         state()
     assert state()
+
+
+def test_checkpoint_rng() -> None:
+    from megatron.core.tensor_parallel.random import checkpoint
+
+    x = torch.ones(3, requires_grad=True)
+
+    def recomputed() -> torch.Tensor:
+        out: torch.Tensor = checkpoint(lambda t: (t * 2).sum(), False, x)
+        return out
+
+    with shim_disabled("checkpoint_rng"), pytest.raises(RuntimeError):
+        recomputed()
+    recomputed().backward()
+    assert x.grad is not None and x.grad.tolist() == [2.0, 2.0, 2.0]

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from moerl.checkpoint.config import CheckpointConfig
 from moerl.config import compose
 from moerl.models.arch import MoEArch
+from moerl.models.precision import PrecisionConfig, RecomputeConfig
 from moerl.parallel.layout import ParallelLayout
 from moerl.rendezvous import request_requeue
 from moerl.trainer.config import OptimConfig
@@ -40,6 +41,8 @@ class LMRunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: LMTrainConfig = field(default_factory=LMTrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
 
 def layout_for_world(raw: dict[str, Any]) -> ParallelLayout:
@@ -63,9 +66,22 @@ def check_layout_at_start(arch: MoEArch, layout: ParallelLayout, world: int | No
     layout.check(arch, world, backend, te_available())
 
 
+def check_precision_at_start(precision: PrecisionConfig, recompute: RecomputeConfig) -> None:
+    """The precision and recompute settings against this machine (a GPU, Transformer
+    Engine), before any process group or model exists."""
+    from moerl.models.features import resolve_precision
+
+    try:
+        recompute.check(precision, te=resolve_precision(precision).te)
+    except ValueError as err:  # PrecisionUnavailable included; the message names the field
+        raise ConfigError(str(err)) from err
+
+
 class _WithLayout(Protocol):
     model: MoEArch
     parallel: ParallelLayout
+    precision: PrecisionConfig
+    recompute: RecomputeConfig
 
 
 def load_with_layout[C: _WithLayout](overrides: list[str], config_name: str,
@@ -76,6 +92,7 @@ def load_with_layout[C: _WithLayout](overrides: list[str], config_name: str,
     cfg = from_dict(schema, {**data, "parallel": {}}, "")
     cfg.parallel = layout
     check_layout_at_start(cfg.model, layout)
+    check_precision_at_start(cfg.precision, cfg.recompute)
     return cfg
 
 
@@ -98,7 +115,7 @@ def run_lm(overrides: list[str]) -> int:
     run = train_lm(
         cfg.model, cfg.parallel, cfg.optim, cfg.train.steps, cfg.train.global_batch,
         cfg.train.micro_batch, cfg.train.seq_length, seed=cfg.train.seed,
-        checkpoint=cfg.checkpoint,
+        checkpoint=cfg.checkpoint, precision=cfg.precision, recompute=cfg.recompute,
     )
     losses = run.losses
     if int(os.environ.get("RANK", "0")) == 0 and losses:

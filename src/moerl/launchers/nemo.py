@@ -235,7 +235,8 @@ def nemo_main(overrides: list[str]) -> int:
     cfg = load_run_config(overrides)
     root = Path(cfg.run_dir).resolve()
     plan = build_run_plan(root, overrides, cfg.launcher, cfg.rollout, cfg.rewards,
-                          root / "arch.json", config_dir=config_dir().resolve())
+                          root / "arch.json", config_dir=config_dir().resolve(),
+                          precision=cfg.precision)
     with tempfile.TemporaryDirectory() as base:
         if cfg.launcher.kind == "slurm":
             plan, slurm_cfg = slurm_job(plan, cfg, root.name)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from moerl.config import LaunchConfig
 from moerl.launchers.stages import RunPlan, StageSpec
+from moerl.models.precision import PrecisionConfig
 from moerl.rewards.config import RewardStageConfig
 from moerl.rollout.backends import check_engine, engine_argv, launch_env
 from moerl.rollout.config import RolloutStageConfig
@@ -18,9 +19,18 @@ def _cli(cfg: LaunchConfig, *args: str) -> tuple[str, ...]:
     return (cfg.python or sys.executable, "-m", "moerl.launchers.cli", *args)
 
 
+def rollout_precision_argv(precision: PrecisionConfig) -> list[str]:
+    """`moerl serve rollout` flags for the run's precision (inference: no recompute,
+    offloading or FP8 primary weights)."""
+    return ["--transformer-impl", precision.transformer_impl,
+            "--params-dtype", precision.params_dtype,
+            *(["--fp8", precision.fp8] if precision.fp8 else [])]
+
+
 def build_run_plan(
     run_dir: Path, overrides: list[str], launch: LaunchConfig, rollout: RolloutStageConfig,
     rewards: RewardStageConfig, arch_file: Path, config_dir: Path | None = None,
+    precision: PrecisionConfig | None = None,
 ) -> RunPlan:
     """The three stages; the trainer gets the user's overrides plus the run directory.
 
@@ -39,12 +49,14 @@ def build_run_plan(
         cpus=max(launch.trainer_ranks, 1),
         env=trainer_env,
     )
+    precision = precision or PrecisionConfig()
     if check_engine(rollout.engine) == "moerl":
         rollout_command = _cli(
             launch, "serve", "rollout", "--host", "{host}", "--port", "{port}",
             "--arch-file", str(arch_file), "--max-batch", str(rollout.max_batch),
             "--backend", rollout.backend, "--speculative", rollout.speculative,
             "--num-draft-tokens", str(rollout.num_draft_tokens),
+            *rollout_precision_argv(precision),
         )
     else:
         # The wrapper announces the engine in the rendezvous dir once it is healthy.

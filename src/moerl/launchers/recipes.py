@@ -25,10 +25,13 @@ from typing import Any
 
 import yaml
 
-from moerl.config import ClusterConfig
+from moerl.config import ClusterConfig, load_run_config
 from moerl.launchers.cluster import slurm_config, with_cluster_ports
+from moerl.launchers.plan import rollout_precision_argv
 from moerl.launchers.slurm import SlurmConfig, render_sbatch
 from moerl.launchers.stages import RunPlan, StageSpec
+from moerl.planning.memory import RunSettings
+from moerl.planning.run_fields import run_overrides
 from moerl.typed_config import ConfigError, from_dict
 
 REPO = Path(__file__).resolve().parents[3]
@@ -55,6 +58,8 @@ class Recipe:
     reward_nodes: int
     gpus_per_node: int
     parallel: dict[str, Any]
+    run: RunSettings
+    """The planner's run settings: precision, layer spec, recompute, sizes."""
 
 
 def load_recipe(path: Path) -> Recipe:
@@ -75,15 +80,17 @@ def load_recipe(path: Path) -> Recipe:
             int(cluster["reward_nodes"]),
             int(cluster["gpus_per_node"]),
             dict(data["parallel"]),
+            from_dict(RunSettings, data["run"], "run"),
         )
     except (KeyError, StopIteration, TypeError) as err:
         raise ConfigError(f"{path}: not a planner recipe (missing {err})") from None
 
 
 def trainer_overrides(recipe: Recipe) -> list[str]:
-    """What `moerl trainer` composes its config from: model, layout and stage sizes."""
+    """What `moerl trainer` composes its config from: model, layout, the precision and
+    recompute the plan assumed (`planning.run_fields`), and stage sizes."""
     p = recipe.parallel
-    out = [f"model={recipe.model}", f"seq_length={recipe.seq_length}"]
+    out = [f"model={recipe.model}", f"seq_length={recipe.seq_length}", *run_overrides(recipe.run)]
     out += [f"parallel.{k}={str(p[k]).lower()}" for k in _PARALLEL_KEYS if p.get(k) is not None]
     if p.get("stage_layers"):
         out.append("parallel.stage_layers=[" + ",".join(map(str, p["stage_layers"])) + "]")
@@ -108,9 +115,12 @@ def _cli(*args: str) -> tuple[str, ...]:
 
 def run_plan(recipe: Recipe, run_dir: Path) -> RunPlan:
     gpus = recipe.gpus_per_node
+    overrides = trainer_overrides(recipe)
+    # The rollout servers compute as the trainer does: the same composed precision.
+    precision = load_run_config(overrides).precision
     trainer = StageSpec(
         name="trainer",
-        command=_cli("trainer", *trainer_overrides(recipe), f"run_dir={run_dir}"),
+        command=_cli("trainer", *overrides, f"run_dir={run_dir}"),
         nodes=recipe.trainer_nodes, gpus_per_node=gpus, ranks_per_node=gpus,
         cpus=gpus * 8,  # per node: data loading and NCCL proxy threads beside each rank
         env={"OMP_NUM_THREADS": "1", "MOERL_CONFIG_DIR": str(SHARED / "configs")},
@@ -118,7 +128,7 @@ def run_plan(recipe: Recipe, run_dir: Path) -> RunPlan:
     rollout = StageSpec(
         name="rollout",
         command=_cli("serve", "rollout", "--host", "{host}", "--port", "{port}",
-                     "--arch-file", str(run_dir / "arch.json")),
+                     "--arch-file", str(run_dir / "arch.json"), *rollout_precision_argv(precision)),
         replicas=recipe.rollout_nodes, nodes=recipe.rollout_nodes, gpus_per_node=gpus,
         cpus=gpus * 8, env={"OMP_NUM_THREADS": "1"},
     )  # fmt: skip

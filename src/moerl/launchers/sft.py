@@ -17,6 +17,7 @@ from moerl.config import check_init_weights
 from moerl.data.prompts import DataConfig
 from moerl.launchers.lm import load_with_layout
 from moerl.models.arch import MoEArch
+from moerl.models.precision import PrecisionConfig, RecomputeConfig
 from moerl.parallel.layout import ParallelLayout
 from moerl.trainer.config import SFTConfig
 from moerl.typed_config import ConfigError
@@ -32,6 +33,8 @@ class SFTRunConfig:
     init_weights: str | None = None
     seed: int = 0
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
     def __post_init__(self) -> None:
         if self.sft.steps < 1:
@@ -56,6 +59,7 @@ def run_sft_command(overrides: list[str]) -> int:
     from moerl.data.prompts import load_prompts
     from moerl.data.sft import instruction_examples
     from moerl.data.tokenizer import ByteTokenizer
+    from moerl.models.features import resolve_precision
     from moerl.models.weights import save_weights
     from moerl.parallel.groups import destroy_parallel, init_parallel
     from moerl.rendezvous import request_requeue
@@ -70,7 +74,8 @@ def run_sft_command(overrides: list[str]) -> int:
     examples = instruction_examples(tok, cfg.sft.data_path, records)
     groups = init_parallel(cfg.parallel, seed=cfg.seed)
     try:
-        trainable = build_sft_trainable(cfg.model, cfg.parallel, cfg.sft, groups, cfg.init_weights)
+        trainable = build_sft_trainable(cfg.model, cfg.parallel, cfg.sft, groups, cfg.init_weights,
+                                        resolve_precision(cfg.precision), cfg.recompute)
         ckpt = None
         if cfg.checkpoint.enabled:
             run = {"sft": cfg.sft, "optim": sft_optim(cfg.sft), "init": cfg.init_weights}

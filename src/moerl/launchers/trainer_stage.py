@@ -20,6 +20,7 @@ from moerl.data.prompts import PromptRecord, PromptStream, load_prompts
 from moerl.data.sft import instruction_examples
 from moerl.data.tokenizer import ByteTokenizer
 from moerl.launchers.plan import RunLayout
+from moerl.models.features import resolve_precision
 from moerl.models.weights import save_weights
 from moerl.observability import MetricsLogger, read_metrics
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
@@ -42,7 +43,8 @@ def sft_phase(cfg: RunConfig, groups: ParallelGroups, tok: ByteTokenizer,
     """SFT from `init_weights` (or a fresh model) on `sft.data_path` or the records'
     reference completions; its weights dir."""
     examples = instruction_examples(tok, cfg.sft.data_path, records)
-    trainable = build_sft_trainable(cfg.model, cfg.parallel, cfg.sft, groups, cfg.init_weights)
+    trainable = build_sft_trainable(cfg.model, cfg.parallel, cfg.sft, groups, cfg.init_weights,
+                                    resolve_precision(cfg.precision), cfg.recompute)
     losses = run_sft(trainable, groups, examples, cfg.sft, tok.pad_id)
     if groups.is_logging_rank:
         Console().print(f"SFT: loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps")
@@ -119,6 +121,7 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
         cfg.model, cfg.parallel, cfg.optim, build_objective(cfg.rl.objective, objective_cfg),
         groups, PolicyConfig(token_budget=cfg.rl.token_budget, aux_losses=cfg.rl.aux_losses),
         weights=weights, reference_weights=ckpt.reference_weights() if ckpt else None,
+        precision=resolve_precision(cfg.precision), recompute=cfg.recompute,
     )
     state = ckpt.load(policy) if ckpt else None
     start = state.next_step if state else 0

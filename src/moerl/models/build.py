@@ -1,7 +1,8 @@
 """`MoEArch` + `ParallelLayout` -> Megatron `TransformerConfig`, layer specs, `GPTModel`s.
 
-On a GPU with Transformer Engine importable the TE spec is used (and FP8 may be
-asked for); elsewhere the local spec, with every flag a CPU run needs. The model
+The run's `precision` and `recompute` groups (`models.precision`) decide the layer
+spec (Transformer Engine or local), the dtype, FP8, recompute and offloading; the
+local spec gets every flag a CPU run needs. The model
 code never decides parallelism: it reads the layout it is given, and the process
 groups must already exist (`parallel.groups.init_parallel`).
 """
@@ -9,7 +10,7 @@ groups must already exist (`parallel.groups.init_parallel`).
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from megatron.core import parallel_state as ps
@@ -26,49 +27,44 @@ from moerl.models import packed_mtp
 from moerl.models.arch import MoEArch
 from moerl.models.features import te_available
 from moerl.models.mla_local import MLADotProductAttention, TPExactMLASelfAttention
+from moerl.models.precision import RecomputeConfig, ResolvedPrecision, local_fp32
 from moerl.models.ring_attention import ring_attention_spec_patch
 from moerl.parallel.layout import ParallelLayout
-
-Fp8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
-FP8_RECIPES: tuple[str, ...] = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
 
 class BuildError(ValueError):
     """A model that cannot be built here; the message names the feature and why."""
 
 
-def _check_features(te: bool, fp8: str | None) -> None:
-    if fp8 is not None and fp8 not in FP8_RECIPES:
-        raise BuildError(f"model.fp8: unknown recipe {fp8!r}; choose one of {FP8_RECIPES}")
-    if fp8 is not None and not te:
-        raise BuildError(
-            f"model.fp8={fp8!r}: FP8 needs the Transformer Engine spec (model.te=true)"
-        )
-    if te and not te_available():
-        why = "no GPU is present" if not torch.cuda.is_available() else "it is not installed"
-        raise BuildError(
-            f"model.te: the Transformer Engine spec (and FP8) needs transformer_engine on a "
-            f"GPU, but {why}; set model.te=false and model.fp8=null for the local spec"
-        )
-
-
 def build_transformer_config(
     arch: MoEArch,
     layout: ParallelLayout,
     *,
-    te: bool,
-    fp8: str | None = None,
-    bf16: bool | None = None,
+    precision: ResolvedPrecision | None = None,
+    recompute: RecomputeConfig | None = None,
     backend: str = "gloo",
     **overrides: Any,
 ) -> TransformerConfig:
     """The Megatron config for `arch` split by `layout`.
 
-    `bf16` defaults to on with TE and off otherwise (CPU runs keep fp32 params and
-    math). `overrides` are passed to the config last, for experiments.
+    `precision`: the run's, resolved for this machine (`PrecisionConfig.resolve`);
+    None: the local spec in fp32, as on CPU. `overrides` are passed to the config
+    last, for experiments.
     """
-    _check_features(te, fp8)
-    bf16 = te if bf16 is None else bf16
+    precision = precision or local_fp32()
+    recompute = recompute or RecomputeConfig()
+    if precision.te and not te_available():
+        raise BuildError("precision.transformer_impl: the Transformer Engine spec needs "
+                         "transformer_engine on a GPU; set precision.transformer_impl=local")
+    try:
+        recompute.check(precision.config, te=precision.te)
+    except ValueError as err:
+        raise BuildError(str(err)) from err
+    if (recompute.granularity == "selective" and "mla_up_proj" in recompute.modules
+            and arch.attention != "mla"):
+        raise BuildError(f"recompute.modules: mla_up_proj needs multi-latent attention, and "
+                         f"model {arch.name!r} has {arch.attention!r}; remove it")
+    te, bf16 = precision.te, precision.bf16
     cuda = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
         num_layers=arch.num_layers,
@@ -111,13 +107,13 @@ def build_transformer_config(
         moe_permute_fusion=te,
         cross_entropy_loss_fusion=cuda,
     )
-    kwargs.update(_moe_kwargs(arch, layout))
+    kwargs.update(_moe_kwargs(arch, layout, te))
     if layout.stage_layers is not None:
         kwargs["pipeline_model_parallel_layout"] = pipeline_layer_layout(arch, layout)
     if arch.mtp_num_layers:
         kwargs.update(mtp_num_layers=arch.mtp_num_layers, mtp_loss_scaling_factor=0.1)
-    if fp8 is not None:
-        kwargs.update(fp8="e4m3" if fp8 in ("blockwise", "mxfp8") else "hybrid", fp8_recipe=fp8)
+    kwargs.update(precision.transformer_kwargs())
+    kwargs.update(recompute.transformer_kwargs())
     if arch.attention == "mla":
         kwargs["qk_layernorm"] = arch.latent_norms  # see MoEArch.latent_norms
     kwargs.update(overrides)
@@ -193,7 +189,7 @@ def pipeline_layer_layout(arch: MoEArch, layout: ParallelLayout) -> list[list[st
     return chunks
 
 
-def _moe_kwargs(arch: MoEArch, layout: ParallelLayout) -> dict[str, Any]:
+def _moe_kwargs(arch: MoEArch, layout: ParallelLayout, te: bool) -> dict[str, Any]:
     """DeepSeek-V3 style MoE: sigmoid router with expert bias, group-limited top-k."""
     return dict(
         num_moe_experts=arch.num_experts,
@@ -212,7 +208,9 @@ def _moe_kwargs(arch: MoEArch, layout: ParallelLayout) -> dict[str, Any]:
         moe_router_load_balancing_type="seq_aux_loss",
         moe_aux_loss_coeff=arch.aux_loss_coeff,
         moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False,  # the local spec would silently build SequentialMLP anyway
+        # TE: the experts as one grouped GEMM (TEGroupedMLP), which `moe_act` recompute
+        # needs; the local spec would silently build SequentialMLP anyway.
+        moe_grouped_gemm=te,
     )
 
 
@@ -253,8 +251,8 @@ def build_model(
     arch: MoEArch,
     layout: ParallelLayout,
     *,
-    te: bool = False,
-    fp8: str | None = None,
+    precision: ResolvedPrecision | None = None,
+    recompute: RecomputeConfig | None = None,
     backend: str = "gloo",
     packed_rows: bool = False,
     **overrides: Any,
@@ -263,6 +261,8 @@ def build_model(
 
     `packed_rows`: batches will carry document boundaries (`Batch.cu_seqlens`).
     """
+    precision = precision or local_fp32()
+    te = precision.te
     if packed_rows and te:
         raise ValueError(
             "packed rows (sft.pack=true) run on the local spec's ring attention; with "
@@ -270,7 +270,7 @@ def build_model(
             "set sft.pack=false"
         )
     config = build_transformer_config(
-        arch, layout, te=te, fp8=fp8, backend=backend, **overrides
+        arch, layout, precision=precision, recompute=recompute, backend=backend, **overrides
     )
     if packed_rows and arch.mtp_num_layers:
         packed_mtp.install()

@@ -78,6 +78,19 @@ class _CpuStream:
 _CPU_STREAM = _CpuStream()
 
 
+def shim_checkpoint_rng() -> None:
+    """Activation recompute (`recompute.granularity`) saves and restores the CUDA RNG
+    state around each checkpointed block so that dropout draws the same masks again;
+    on CPU `torch.cuda.get_rng_state` raises "Found no NVIDIA driver". There is no CUDA
+    generator to keep: an empty state, and restoring it does nothing (the CPU state
+    and the tracker's states are saved and restored beside it, unchanged)."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    _set(tp_random, "_get_cuda_rng_state",
+         lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8))
+    _set(tp_random, "_set_cuda_rng_state", lambda *args, **kwargs: None)
+
+
 def shim_streams() -> None:
     """The alltoall dispatcher (device-to-host copies of split sizes) and shared
     experts create `torch.cuda.Stream()`/`Event()` and enter `torch.cuda.stream(s)`
@@ -343,6 +356,7 @@ SHIMS: dict[str, Callable[[], None]] = {
     "causal_mask": shim_causal_mask,
     "current_device": shim_current_device,
     "streams": shim_streams,
+    "checkpoint_rng": shim_checkpoint_rng,
     "split_sizes": shim_split_sizes,
     "uneven_gather": shim_uneven_gather,
 }

@@ -35,7 +35,9 @@ import torch.distributed as dist
 
 from moerl.data.rl_batch import RLMicroBatch, RLSample, pack, plan_microbatches
 from moerl.models.arch import MoEArch
-from moerl.models.build import build_model, te_available
+from moerl.models.build import build_model
+from moerl.models.features import resolve_precision
+from moerl.models.precision import RecomputeConfig, ResolvedPrecision
 from moerl.models.weights import load_weights, save_weights
 from moerl.parallel.groups import ParallelGroups
 from moerl.parallel.layout import ParallelLayout
@@ -96,19 +98,24 @@ class Policy:
         cfg: PolicyConfig | None = None,
         weights: str | Path | None = None,
         reference_weights: str | Path | None = None,
+        precision: ResolvedPrecision | None = None,
+        recompute: RecomputeConfig | None = None,
     ) -> Policy:
         """Model (from `weights` if given), optimizer, and the reference model.
 
         The reference loads `reference_weights`, or else is a copy of the initial policy.
+        `precision`: the run's, resolved (None: this machine's default).
         """
         cfg = cfg or PolicyConfig()
-        te = te_available()
-        chunks = build_model(arch, layout, te=te, backend=groups.backend)
+        precision = precision or resolve_precision()
+        chunks = build_model(arch, layout, precision=precision, recompute=recompute,
+                             backend=groups.backend)
         if weights is not None:
             load_weights(list(chunks), weights)
         reference = None
         if cfg.use_reference:
-            reference = list(build_model(arch, layout, te=te, backend=groups.backend))
+            reference = list(build_model(arch, layout, precision=precision,
+                                         backend=groups.backend))
             if reference_weights is not None:
                 load_weights(reference, reference_weights)
             else:
@@ -117,7 +124,8 @@ class Policy:
             for ref in reference:
                 ref.eval()
                 ref.requires_grad_(False)
-        trainable = build_optimizer(chunks, optim, layout)
+        trainable = build_optimizer(chunks, optim, layout,
+                                    offload=precision.config.offload_optimizer)
         return cls(trainable, arch, objective, groups, cfg, reference)
 
     @property

@@ -25,6 +25,7 @@ from megatron.core.models.gpt import GPTModel
 
 from moerl.data.tokenizer import Tokenizer
 from moerl.models.arch import MoEArch
+from moerl.models.precision import PrecisionConfig
 from moerl.rollout.dynamic_decode import DynamicDecoder, dynamic_missing
 from moerl.rollout.sampling import RowSampling
 from moerl.rollout.speculative.config import SpeculativeConfig
@@ -206,11 +207,14 @@ class MegatronEngine:
 
 def build_engine(preset: str | MoEArch, tokenizer: Tokenizer, *,
                  weights: str | Path | None = None,
-                 seed: int = 0, options: EngineOptions | None = None) -> MegatronEngine:
+                 seed: int = 0, options: EngineOptions | None = None,
+                 precision: PrecisionConfig | None = None) -> MegatronEngine:
     """A one-process engine for model `preset`: weights from `weights` (version 0),
-    or a random init from `seed`."""
+    or a random init from `seed`. `precision`: the run's (None: this machine's default,
+    bf16 with Transformer Engine where it runs on a GPU, fp32 on CPU)."""
     from moerl.models.arch import get_preset
-    from moerl.models.build import build_model, te_available
+    from moerl.models.build import build_model
+    from moerl.models.features import resolve_precision
     from moerl.models.weights import load_weights
     from moerl.parallel.groups import init_parallel
     from moerl.parallel.layout import ParallelLayout
@@ -223,10 +227,9 @@ def build_engine(preset: str | MoEArch, tokenizer: Tokenizer, *,
         )
     layout = ParallelLayout()
     init_parallel(layout, seed=seed)
-    # On a GPU the model runs in bf16 (as the trainer does with TE): the dynamic
+    # On a GPU the model runs in bf16 by default (as the trainer does): the dynamic
     # engine's flash attention takes fp16/bf16 only. CPU keeps fp32.
-    cuda = torch.cuda.is_available()
-    (model,) = build_model(arch, layout, te=cuda and te_available(), bf16=cuda)
+    (model,) = build_model(arch, layout, precision=resolve_precision(precision))
     if weights is not None:
         load_weights([model], weights)
     return MegatronEngine(model, tokenizer, arch.max_position_embeddings, options,

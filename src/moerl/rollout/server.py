@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse
 
 from moerl.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from moerl.models.arch import MoEArch
+from moerl.models.precision import FP8_RECIPES, ParamsDtype, PrecisionConfig, TransformerImpl
 from moerl.rendezvous import ENV_INDEX, ENV_RENDEZVOUS
 from moerl.rendezvous import announce as announce_endpoint
 from moerl.rollout.batching import BatchScheduler
@@ -151,6 +152,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--logprob-mode", choices=LOGPROB_MODES, default="policy")
     p.add_argument("--update-wait", type=float, default=30.0,
                    help="seconds a request may wait behind a weight update before a 503")
+    p.add_argument("--transformer-impl", choices=get_args(TransformerImpl), default="auto",
+                   help="the run's precision.transformer_impl")
+    p.add_argument("--params-dtype", choices=get_args(ParamsDtype), default="auto",
+                   help="the run's precision.params_dtype")
+    p.add_argument("--fp8", choices=FP8_RECIPES, default=None, help="the run's precision.fp8")
     p.add_argument("--tokenizer", default=None, help="local tokenizer.json (default: bytes)")
     p.add_argument("--eos-token", default=None, help="EOS token text of --tokenizer")
     args = p.parse_args(argv)
@@ -178,8 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     speculative = SpeculativeConfig(mode=args.speculative, num_draft_tokens=args.num_draft_tokens,
                                     adaptive=args.adaptive_drafts)
     options = EngineOptions(args.max_batch, args.backend, args.logprob_mode, speculative)
+    precision = PrecisionConfig(transformer_impl=args.transformer_impl,
+                                params_dtype=args.params_dtype, fp8=args.fp8)
     engine = build_engine(_arch(args), tokenizer, weights=args.weights, seed=args.seed,
-                          options=options)
+                          options=options, precision=precision)
     scheduler = BatchScheduler(engine, args.max_batch, args.batch_wait_ms / 1000)
     state = ServerState(engine, scheduler, args.model, args.update_wait)
     app = create_app(state)

@@ -18,7 +18,9 @@ from moerl.checkpoint.checkpointer import Checkpointer
 from moerl.checkpoint.config import CheckpointConfig, Fingerprints
 from moerl.data.synthetic import Batch, SyntheticCorpus, step_batches
 from moerl.models.arch import MoEArch
-from moerl.models.build import build_model, te_available
+from moerl.models.build import build_model
+from moerl.models.features import resolve_precision
+from moerl.models.precision import PrecisionConfig, RecomputeConfig
 from moerl.parallel.context import split_batch
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
@@ -69,6 +71,8 @@ def train_lm(
     seed: int = 0,
     progress: bool = True,
     checkpoint: CheckpointConfig | None = None,
+    precision: PrecisionConfig | None = None,
+    recompute: RecomputeConfig | None = None,
 ) -> LMRun:
     """Train for `steps` optimizer steps; the loss of each step run (on every rank).
 
@@ -77,9 +81,12 @@ def train_lm(
     """
     groups = init_parallel(layout, seed=seed)
     try:
-        layout.check(arch, groups.world_size, groups.backend, te_available())
-        chunks = build_model(arch, layout, te=te_available(), backend=groups.backend)
-        trainable = build_optimizer(chunks, optim, layout)
+        resolved = resolve_precision(precision)
+        layout.check(arch, groups.world_size, groups.backend, resolved.te)
+        chunks = build_model(arch, layout, precision=resolved, recompute=recompute,
+                             backend=groups.backend)
+        trainable = build_optimizer(chunks, optim, layout,
+                                    offload=resolved.config.offload_optimizer)
         corpus = SyntheticCorpus(arch.vocab_size, seq_length, seed=seed)
         num_micro = global_batch // (micro_batch * layout.dp)
         ckpt = None

@@ -32,14 +32,21 @@ class Trainable:
 
 
 def build_optimizer(
-    model_chunks: list[GPTModel], cfg: OptimConfig, layout: ParallelLayout
+    model_chunks: list[GPTModel], cfg: OptimConfig, layout: ParallelLayout,
+    offload: bool = False,
 ) -> Trainable:
-    """Wrap `model_chunks` in Megatron DDP and build the optimizer and schedule."""
+    """Wrap `model_chunks` in Megatron DDP and build the optimizer and schedule.
+
+    `offload` (precision.offload_optimizer): Adam's state and step on the CPU, through
+    Megatron's hybrid-device optimizer (the distributed optimizer's shards)."""
     distributed = (
         layout.use_distributed_optimizer
         if cfg.use_distributed_optimizer is None
         else cfg.use_distributed_optimizer
     )
+    if offload and not distributed:
+        raise ValueError("precision.offload_optimizer: needs the distributed optimizer "
+                         "(parallel.use_distributed_optimizer=true)")
     config = model_chunks[0].config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -68,6 +75,8 @@ def build_optimizer(
             bf16=config.bf16,
             params_dtype=config.params_dtype,
             use_distributed_optimizer=distributed,
+            **({"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0,
+                "use_precision_aware_optimizer": True} if offload else {}),
         ),
         model,
     )

@@ -21,7 +21,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from moerl.data.sft import SFTExample, pack_examples, packed_batch, row_slots, sft_batch
 from moerl.data.synthetic import Batch
 from moerl.models.arch import MoEArch
-from moerl.models.build import build_model, te_available
+from moerl.models.build import build_model
+from moerl.models.features import resolve_precision
+from moerl.models.precision import RecomputeConfig, ResolvedPrecision
 from moerl.models.weights import load_weights
 from moerl.parallel.context import split_batch
 from moerl.parallel.groups import ParallelGroups
@@ -46,15 +48,19 @@ def sft_optim(cfg: SFTConfig) -> OptimConfig:
 
 def build_sft_trainable(
     arch: MoEArch, layout: ParallelLayout, cfg: SFTConfig, groups: ParallelGroups,
-    init_weights: str | Path | None = None,
+    init_weights: str | Path | None = None, precision: ResolvedPrecision | None = None,
+    recompute: RecomputeConfig | None = None,
 ) -> Trainable:
-    """The model (fresh, or from `init_weights`) and its optimizer for SFT."""
+    """The model (fresh, or from `init_weights`) and its optimizer for SFT;
+    `precision`: the run's, resolved (None: this machine's default)."""
     cfg.check_layout(layout, arch.mtp_num_layers)
-    chunks = build_model(arch, layout, te=te_available(), backend=groups.backend,
-                         packed_rows=cfg.pack)
+    precision = precision or resolve_precision()
+    chunks = build_model(arch, layout, precision=precision, recompute=recompute,
+                         backend=groups.backend, packed_rows=cfg.pack)
     if init_weights is not None:
         load_weights(list(chunks), init_weights)
-    return build_optimizer(chunks, sft_optim(cfg), layout)
+    return build_optimizer(chunks, sft_optim(cfg), layout,
+                           offload=precision.config.offload_optimizer)
 
 
 def _rank_batches(

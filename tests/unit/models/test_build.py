@@ -1,7 +1,9 @@
-"""The tiny MoE builds and trains in one process; TE-only features fail clearly on CPU."""
+"""The tiny MoE builds and trains in one process; the precision and recompute groups
+reach Megatron's config; what needs a GPU or Transformer Engine fails clearly on CPU."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -9,8 +11,15 @@ import pytest
 import torch
 
 from moerl.models.arch import TINY
-from moerl.models.build import BuildError, build_layer_spec, build_model, build_transformer_config
+from moerl.models.build import BuildError, build_layer_spec, build_transformer_config
+from moerl.models.features import resolve_precision
 from moerl.models.mla_local import MLADotProductAttention, TPExactMLASelfAttention
+from moerl.models.precision import (
+    PrecisionConfig,
+    PrecisionUnavailable,
+    RecomputeConfig,
+    ResolvedPrecision,
+)
 from moerl.parallel.layout import ParallelLayout
 
 FORWARD_BACKWARD = """
@@ -47,7 +56,7 @@ def test_tiny_forward_backward() -> None:
 
 @pytest.mark.usefixtures("single_process")
 def test_spec_has_dense_first_layer_and_mla_fixes() -> None:
-    config = build_transformer_config(TINY, ParallelLayout(), te=False)
+    config = build_transformer_config(TINY, ParallelLayout())
     assert config.moe_layer_freq == [0, 1, 1, 1]
     block, mtp = build_layer_spec(config, te=False)
     assert mtp is not None
@@ -57,16 +66,68 @@ def test_spec_has_dense_first_layer_and_mla_fixes() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
-@pytest.mark.parametrize(("te", "fp8", "feature"), [
-    (True, None, "model.te"),
-    (False, "delayed", "model.fp8"),
-    (True, "mxfp8", "model.te"),
-])
-def test_te_and_fp8_need_transformer_engine(te: bool, fp8: str | None, feature: str) -> None:
-    with pytest.raises(BuildError, match=rf"{feature}.*Transformer Engine"):
-        build_model(TINY, ParallelLayout(), te=te, fp8=fp8)
+@pytest.mark.parametrize(("precision", "field"), [
+    (PrecisionConfig(transformer_impl="transformer_engine"), "precision.transformer_impl"),
+    (PrecisionConfig(fp8="delayed"), "precision.fp8"),
+    (PrecisionConfig(transformer_impl="transformer_engine", fp8="mxfp8"),
+     "precision.transformer_impl"),
+    (PrecisionConfig(params_dtype="bf16"), "precision.params_dtype"),
+    (PrecisionConfig(offload_optimizer=True), "precision.offload_optimizer"),
+    (PrecisionConfig(offload_activations_layers=1), "precision.offload_activations_layers"),
+])  # fmt: skip
+def test_what_needs_a_gpu_is_refused_on_cpu_naming_the_field(
+        precision: PrecisionConfig, field: str) -> None:
+    with pytest.raises(PrecisionUnavailable, match=rf"^{re.escape(field)}"):
+        resolve_precision(precision)
 
 
-def test_unknown_fp8_recipe() -> None:
-    with pytest.raises(BuildError, match=r"model\.fp8: unknown recipe"):
-        build_transformer_config(TINY, ParallelLayout(), te=True, fp8="e5m2")
+def test_cpu_resolves_to_the_local_spec_in_fp32() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU default")
+    assert resolve_precision(PrecisionConfig()) == ResolvedPrecision(te=False, bf16=False)
+    assert resolve_precision(PrecisionConfig(transformer_impl="local", params_dtype="fp32")).te \
+        is False
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"fp8_param": True}, "precision.fp8_param"),
+    ({"fp8": "delayed", "transformer_impl": "local"}, "precision.fp8"),
+    ({"fp8": "delayed", "params_dtype": "fp32"}, "precision.fp8"),
+])  # fmt: skip
+def test_impossible_precision_combinations(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{re.escape(field)}"):
+        PrecisionConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("single_process")
+def test_precision_and_recompute_reach_the_transformer_config() -> None:
+    """What the groups say is what Megatron's config holds, field by field."""
+    fp8 = ResolvedPrecision(te=True, bf16=True, config=PrecisionConfig(
+        fp8="blockwise", fp8_param=True, fp8_bf16_layers_at_start=1, fp8_bf16_layers_at_end=2,
+        offload_activations_layers=2))
+    assert fp8.transformer_kwargs() == {
+        "fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_param": True,
+        "first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 1,
+        "num_layers_at_end_in_bf16": 2, "cpu_offloading": True, "cpu_offloading_num_layers": 2,
+        "cpu_offloading_activations": True, "cpu_offloading_weights": False}
+    assert ResolvedPrecision(te=True, bf16=True, config=PrecisionConfig(
+        fp8="tensorwise")).transformer_kwargs()["fp8"] == "hybrid"
+    full = build_transformer_config(TINY, ParallelLayout(), recompute=RecomputeConfig(
+        granularity="full", method="block", num_layers=2))
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == (
+        "full", "block", 2)
+    selective = build_transformer_config(TINY, ParallelLayout(), recompute=RecomputeConfig(
+        granularity="selective", modules=["core_attn", "moe"]))
+    assert selective.recompute_granularity == "selective"
+    assert selective.recompute_modules == ["core_attn", "moe"]
+    plain = build_transformer_config(TINY, ParallelLayout())
+    assert plain.recompute_granularity is None and plain.params_dtype == torch.float32
+    assert plain.fp8 is None
+
+
+def test_recompute_modules_the_local_spec_cannot_recompute_are_refused() -> None:
+    with pytest.raises(BuildError, match=r"recompute\.modules.*moe_act"):
+        build_transformer_config(TINY, ParallelLayout(), recompute=RecomputeConfig(
+            granularity="selective", modules=["moe_act"]))
+    with pytest.raises(ValueError, match=r"recompute\.modules: unknown \['attention'\]"):
+        RecomputeConfig(granularity="selective", modules=["attention"])

@@ -9,6 +9,7 @@ import pytest
 
 from moerl.rewards.code import HumanEvalReward, StdioReward, count_tests
 from moerl.rewards.protocol import InvalidSpec
+from moerl.rewards.server import DEFAULT_MAX_COMPLETION_BYTES
 from moerl.sandbox import Limits, Sandbox, SandboxConfig
 
 pytestmark = pytest.mark.sandbox
@@ -277,3 +278,13 @@ def test_file_size_limit_of_a_python_program_is_reported(stdio: StdioReward) -> 
     adds = "open('small', 'wb').write(b'x' * 1000)\nprint(sum(map(int, input().split())))\n"
     small = stdio.score(adds, {"language": "python", "cases": CASES})
     assert small.reward == 1.0 and small.details["limits_hit"] == [], small
+
+
+def test_a_correct_answer_at_the_size_limit_scores_within_the_default_limits(
+    humaneval: HumanEvalReward,
+) -> None:
+    """The grader receives its candidate in linear time: a correct function followed by
+    a comment as long as the reward server accepts is scored, not timed out."""
+    padded = "    return a + b\n# " + "x" * (DEFAULT_MAX_COMPLETION_BYTES - 64) + "\n"
+    result = humaneval.score(padded, SPEC)
+    assert result.reward == 1.0 and result.status == "ok", result
