@@ -47,12 +47,27 @@ def marked_processes(value: str) -> dict[int, str]:
     return found
 
 
+def own_helpers() -> set[int]:
+    """This process's multiprocessing fork server and resource tracker: they read a
+    pipe from this process and end when it does, after the check."""
+    import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+
+    pids = {getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
+            getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)}
+    return {pid for pid in pids if pid is not None}
+
+
 def survivors(value: str, grace_s: float) -> dict[int, str]:
-    """The marked processes still running after up to `grace_s` seconds."""
+    """The marked processes still running after up to `grace_s` seconds, this
+    process's own multiprocessing helpers aside."""
     deadline = time.monotonic() + grace_s
-    while (left := marked_processes(value)) and time.monotonic() < deadline:
+    own = own_helpers()
+    while True:
+        left = {pid: cmd for pid, cmd in marked_processes(value).items() if pid not in own}
+        if not left or time.monotonic() >= deadline:
+            return left
         time.sleep(0.2)
-    return left
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -170,3 +170,32 @@ def test_checkpoint_rng() -> None:
         recomputed()
     recomputed().backward()
     assert x.grad is not None and x.grad.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_one_rank_buffer_sync() -> None:
+    """A one-rank group's in-place gather or reduce issues no collective; anything
+    else reaches the collective as before."""
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    one = torch.distributed.new_group([0])  # the test's world has one rank (gloo)
+    calls: list[str] = []
+
+    def gather(output: torch.Tensor, source: torch.Tensor, group: object = None,
+               async_op: bool = False) -> None:
+        calls.append("gather")
+        output.copy_(source)
+
+    collective = cpu_shims.skip_one_rank(gather)
+    buffer = torch.arange(6.0)
+    assert collective(buffer, buffer.view(-1), group=one) is None and calls == []
+    other = torch.zeros(6)
+    collective(other, buffer, group=one)
+    assert calls == ["gather"] and other.tolist() == buffer.tolist()
+
+    def refuse(*args: object, **kwargs: object) -> object:
+        raise AssertionError("coalesced a one-rank group")
+
+    with cpu_shims.coalesce_one_rank(refuse)(one, async_ops=False) as handle:
+        pass
+    handle.wait()
+    assert buffers.dist_all_gather_func.__wrapped__ is not None  # installed on this machine

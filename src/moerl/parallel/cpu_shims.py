@@ -91,6 +91,61 @@ def shim_checkpoint_rng() -> None:
     _set(tp_random, "_set_cuda_rng_state", lambda *args, **kwargs: None)
 
 
+class _NoWork:
+    """A finished collective: what a coalescing block with nothing to send returns."""
+
+    def wait(self) -> None:
+        pass
+
+
+def _one_rank(group: Any) -> bool:
+    return group is not None and torch.distributed.get_world_size(group) == 1
+
+
+def skip_one_rank(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`original(output, source, group=...)`, skipped when the group has one rank and
+    the output is the source's memory (nothing to gather or reduce)."""
+
+    @functools.wraps(original)
+    def collective(output: torch.Tensor, source: torch.Tensor, *args: Any,
+                   group: Any = None, **kwargs: Any) -> Any:
+        if (_one_rank(group) and output.data_ptr() == source.data_ptr()
+                and output.numel() == source.numel()):
+            return _NoWork() if kwargs.get("async_op") else None
+        return original(output, source, *args, group=group, **kwargs)
+
+    return collective
+
+
+def coalesce_one_rank(coalescing: Callable[..., Any]) -> Callable[..., Any]:
+    """`coalescing(group, ...)` as a context manager that opens nothing for a group
+    of one rank."""
+
+    @contextmanager
+    def coalesce(group: Any = None, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        if _one_rank(group):
+            yield _NoWork()
+            return
+        with coalescing(group, *args, **kwargs) as manager:
+            yield manager
+
+    return coalesce
+
+
+def shim_one_rank_buffer_sync() -> None:
+    """DDP's grad reduce-scatter and the distributed optimizer's param all-gather run
+    through a coalesced collective even when the data-parallel group holds one rank,
+    where the one shard is the whole buffer (input and output are the same memory).
+    On gloo that still copies every bucket: ~5 ms of the tiny model's 160 ms SFT step.
+    Such a collective is skipped, and the coalescing block around it opens no gloo
+    coalescing; groups of more ranks are untouched."""
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    _set(buffers, "dist_all_gather_func", skip_one_rank(buffers.dist_all_gather_func))
+    _set(buffers, "dist_reduce_scatter_func", skip_one_rank(buffers.dist_reduce_scatter_func))
+    _set(buffers, "_coalescing_manager", coalesce_one_rank(buffers._coalescing_manager))
+
+
 def shim_streams() -> None:
     """The alltoall dispatcher (device-to-host copies of split sizes) and shared
     experts create `torch.cuda.Stream()`/`Event()` and enter `torch.cuda.stream(s)`
@@ -357,6 +412,7 @@ SHIMS: dict[str, Callable[[], None]] = {
     "current_device": shim_current_device,
     "streams": shim_streams,
     "checkpoint_rng": shim_checkpoint_rng,
+    "one_rank_buffer_sync": shim_one_rank_buffer_sync,
     "split_sizes": shim_split_sizes,
     "uneven_gather": shim_uneven_gather,
 }
