@@ -62,7 +62,7 @@ def run(args: argparse.Namespace, run_dir: Path, extra: Sequence[str] = (),
         src: Path | None = None) -> list[dict[str, float]]:
     """The steps' metric rows of one `moerl train` run; `extra`: more overrides; `src`:
     another checkout's src/ to run instead of this one's."""
-    argv = [sys.executable, "-m", "moerl.launchers.cli", "train", "+experiment=demo", "sft=none",
+    argv = [sys.executable, "-m", "moerl.launchers.cli", "train", "+experiment=demo", "sft.steps=0",
             f"run_dir={run_dir}", "checkpoint.dir=null", "logger.wandb_mode=disabled",
             f"rl.steps={args.steps}", f"rl.prompts_per_step={args.prompts}",
             f"rl.group_size={args.group}", "rl.max_generation_rounds=1",
@@ -82,6 +82,9 @@ def run(args: argparse.Namespace, run_dir: Path, extra: Sequence[str] = (),
     if done.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
         raise SystemExit(f"moerl train failed ({done.returncode}):\n{tail}")
+    if (run_dir / "sft").exists():  # `sft=none` beside the demo experiment still ran its SFT
+        raise SystemExit(f"{run_dir}: the run did an SFT warm-up; these runs measure a fresh "
+                         "model (sft.steps=0)")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "time/step" in r]
 

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from moerl.checkpoint.config import CheckpointConfig
 from moerl.data.prompts import DataConfig
+from moerl.data.tokenizer import TokenizerConfig
 from moerl.models.arch import MoEArch
 from moerl.models.precision import PrecisionConfig, RecomputeConfig
 from moerl.observability import LoggerConfig
@@ -73,6 +74,24 @@ def load_model_config(overrides: list[str]) -> tuple[MoEArch, int]:
     if not isinstance(seq_length, int) or seq_length < 1:
         raise ConfigError(f"seq_length: expected a positive integer, got {seq_length!r}")
     return arch, seq_length
+
+
+MODEL_FILE = "model.json"  # an imported checkpoint's architecture (`moerl hf import`)
+
+
+def apply_model_from(data: dict[str, Any]) -> None:
+    """`model_from=DIR`: the architecture `moerl hf import` wrote there replaces the
+    `model` group (a model of no preset, e.g. a locally made DeepSeek-V3-family one)."""
+    source = data.get("model_from")
+    if source is None:
+        return
+    path = Path(source) / MODEL_FILE
+    if not path.is_file():
+        raise ConfigError(f"model_from: {source} has no {MODEL_FILE}; give the weights "
+                          "directory `moerl hf import` wrote")
+    import json
+
+    data["model"] = json.loads(path.read_text())
 
 
 def check_init_weights(path: str | None) -> None:
@@ -171,13 +190,20 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     run_dir: str = "runs/default"
     seq_length: int = 4096  # for FLOP counts (model-info)
     init_weights: str | None = None  # weights dir the run starts from (moerl sft / hf import)
+    model_from: str | None = None  # a `moerl hf import` dir whose model.json replaces `model`
 
     def __post_init__(self) -> None:
         check_init_weights(self.init_weights)
         check_recompute(self.precision, self.recompute)
+        if self.rollout.engine != "moerl" and self.tokenizer.kind == "byte":
+            raise ConfigError(
+                f"tokenizer: rollout.engine={self.rollout.engine} serves "
+                "rollout.hf_model_dir with its own tokenizer, so the trainer must encode with "
+                "it too: set tokenizer=hf tokenizer.path=<the model's directory>")
         if self.rl.sampling.max_tokens + self.data.max_prompt_tokens > (
                 self.model.max_position_embeddings):
             raise ConfigError(
@@ -191,6 +217,7 @@ def load_run_config(overrides: list[str], world_size: int | None = None) -> RunC
     """The typed run config; dp is derived from `world_size` (default: the launcher's
     trainer ranks) unless `parallel.dp` is given."""
     data = compose(overrides)
+    apply_model_from(data)
     # `resume=...` is a shorthand the YAML copies into checkpoint.resume (an interpolation).
     data.pop("resume", None)
     raw_parallel = data.pop("parallel")

@@ -21,7 +21,7 @@ def test_async_run_trains_one_version_stale_samples(tmp_path: Path) -> None:
     if shutil.which("bwrap") is None:
         pytest.skip("bubblewrap is not installed")
     run = tmp_path / "run"
-    argv = [sys.executable, "-m", "moerl.launchers.cli", "train", "+experiment=demo", "sft=none",
+    argv = [sys.executable, "-m", "moerl.launchers.cli", "train", "+experiment=demo", "sft.steps=0",
             f"run_dir={run}", "checkpoint.dir=null", "logger.wandb_mode=disabled",
             f"rl.steps={STEPS}", "rl.prompts_per_step=2", "rl.group_size=4",
             "rl.max_generation_rounds=1", "rl.dynamic_sampling=false", "rl.mode=async",
@@ -31,6 +31,7 @@ def test_async_run_trains_one_version_stale_samples(tmp_path: Path) -> None:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert not (run / "sft").exists()  # a fresh model: no SFT warm-up
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "weights/version" in r]
     assert [r["weights/version"] for r in steps] == [float(s + 1) for s in range(STEPS)]

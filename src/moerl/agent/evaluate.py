@@ -27,7 +27,7 @@ from moerl.agent.suite import CATEGORIES, SuiteError, SuiteTask, select_tasks
 from moerl.agent.tasks import ScriptedPolicy, tagged
 from moerl.agent.terminal import TerminalEnvironment
 from moerl.agent.trajectory import Trajectory
-from moerl.data.tokenizer import ByteTokenizer, Tokenizer
+from moerl.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from moerl.sandbox import Sandbox, SandboxConfig
 
 
@@ -115,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--context-tokens", type=int, default=4096)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default=None,
+                   help="a Hugging Face tokenizer directory (the servers' and the run's "
+                        "tokenizer.path); default: bytes")
+    p.add_argument("--end-of-turn-token", default=None,
+                   help="with --tokenizer: a token that also ends a turn")
     p.add_argument("--vocab-size", type=int, default=512, help="the byte tokenizer's padded vocab")
     p.add_argument("--compact-tools", action="store_true",
                    help="one line per tool (small contexts)")
@@ -145,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for t in tasks:
             console.print(f"{t.id:32s} {t.category}", markup=False)
         return 0
-    tok = ByteTokenizer(args.vocab_size)
+    tok: Tokenizer = (HFTokenizer(args.tokenizer, end_of_turn_token=args.end_of_turn_token)
+                      if args.tokenizer else ByteTokenizer(args.vocab_size))
     if args.policy == "scripted":  # the scripted policy finds each task by its tag
         tasks = [SuiteTask(tagged(t.task), t.category, t.solution, t.wrong) for t in tasks]
     config = SchedulerConfig(

@@ -242,6 +242,7 @@ class _Episode:
         sampling = SamplingParams(
             max_tokens=min(self.cfg.max_new_tokens, room), temperature=self.cfg.temperature,
             stop=(CALL_CLOSE,), seed=None if self.seed is None else self.seed + turn,
+            stop_token_ids=self.s.tokenizer.stop_ids,  # the tokenizer's end of turn too
         )  # fmt: skip
         try:
             (group,) = await self.s._call(

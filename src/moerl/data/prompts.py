@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from moerl.data.chat import ChatError, Message, check_messages
 from moerl.data.code_tasks import OPERATOR_WORDS, Confusion, make_tasks, noisy_demonstration
 
 
@@ -26,6 +27,9 @@ class PromptRecord:
     reward: str  # name of the reward function on the reward server
     spec: dict[str, Any] = field(default_factory=dict)
     reference: str | None = None
+    messages: list[Message] | None = None
+    """A chat row's conversation (the model is prompted through the tokenizer's chat
+    template); `prompt` then holds its messages' text, for limits and logs."""
 
 
 class DatasetError(ValueError):
@@ -115,13 +119,26 @@ def json_row(line: str, row: int, required: tuple[tuple[str, type], ...]) -> dic
 
 
 def parse_row(line: str, row: int) -> PromptRecord:
-    """One JSONL row as a record; `DatasetError` naming the row and field otherwise."""
-    data = json_row(line, row, (("prompt", str), ("reward", str), ("spec", dict)))
+    """One JSONL row as a record: {"prompt": str} or {"messages": [...]}, with "reward"
+    and "spec"; `DatasetError` naming the row and field otherwise."""
+    data = json_row(line, row, (("reward", str), ("spec", dict)))
+    messages = None
+    if "messages" in data:
+        try:
+            messages = check_messages(data["messages"], f"row {row}")
+        except ChatError as err:
+            raise DatasetError(str(err)) from err
+        prompt = "\n".join(m["content"] for m in messages)
+    elif isinstance(data.get("prompt"), str):
+        prompt = data["prompt"]
+    else:
+        raise DatasetError(f"row {row}: field 'prompt' (a string) or 'messages' (a list) "
+                           "is missing")
     reference = data.get("reference")
     if reference is not None and not isinstance(reference, str):
         raise DatasetError(f"row {row}: field 'reference' must be a string")
     uid = str(data.get("id", f"row-{row}"))
-    return PromptRecord(uid, data["prompt"], data["reward"], data["spec"], reference)
+    return PromptRecord(uid, prompt, data["reward"], data["spec"], reference, messages)
 
 
 def load_jsonl(path: str | Path, max_chars: int, strict: bool) -> tuple[list[PromptRecord],

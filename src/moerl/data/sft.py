@@ -22,6 +22,13 @@ from pathlib import Path
 
 import torch
 
+from moerl.data.chat import (
+    ChatError,
+    Message,
+    check_messages,
+    encode_chat_turns,
+    encode_prompt,
+)
 from moerl.data.prompts import DatasetError, PromptRecord, json_row
 from moerl.data.synthetic import Batch
 from moerl.data.tokenizer import Tokenizer
@@ -32,6 +39,16 @@ from moerl.parallel.context import packed_position_ids
 class SFTExample:
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...]
+    response_mask: tuple[int, ...] | None = None
+    """Which response tokens carry the loss (a conversation's non-assistant turns do
+    not); None: all of them."""
+
+    def label_mask(self) -> list[float]:
+        """The loss mask of labels 1..n-1 (label t is token t + 1): response tokens
+        that carry the loss."""
+        first_label = len(self.prompt_ids) - 1
+        trained = self.response_mask or (1,) * len(self.response_ids)
+        return [0.0] * first_label + [float(m) for m in trained]
 
 
 def encode_example(tok: Tokenizer, prompt: str, response: str) -> SFTExample:
@@ -39,29 +56,40 @@ def encode_example(tok: Tokenizer, prompt: str, response: str) -> SFTExample:
     return SFTExample((*bos, *tok.encode(prompt)), (*tok.encode(response), tok.eos_id))
 
 
+def encode_conversation(tok: Tokenizer, messages: list[Message], where: str) -> SFTExample:
+    """A chat row rendered by the tokenizer's template, the loss on assistant turns."""
+    prompt, rest, mask = encode_chat_turns(tok, messages, where)
+    return SFTExample(tuple(prompt), tuple(rest), tuple(mask))
+
+
 class SFTDataError(ValueError):
     """Instruction data that cannot be used; the message names the row and the field."""
 
 
-def load_sft_jsonl(path: str | Path) -> list[tuple[str, str]]:
-    """(prompt, response) pairs from JSONL rows {"prompt": str, "response": str}."""
+def load_sft_jsonl(path: str | Path) -> list[tuple[str, str] | list[Message]]:
+    """Rows of `sft.data_path`: (prompt, response) pairs from {"prompt", "response"}
+    rows, or conversations from {"messages": [...]} rows."""
     source = Path(path)
     if not source.is_file():
         raise SFTDataError(f"sft.data_path: {source} is not a file")
-    pairs = []
+    rows: list[tuple[str, str] | list[Message]] = []
     for row, line in enumerate(source.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
+            data = json_row(line, row, ())
+            if "messages" in data:
+                rows.append(check_messages(data["messages"], f"row {row}"))
+                continue
             data = json_row(line, row, (("prompt", str), ("response", str)))
-        except DatasetError as err:
+        except (DatasetError, ChatError) as err:
             raise SFTDataError(f"{source} {err}") from err
         if not data["response"]:
             raise SFTDataError(f"{source} row {row}: field 'response' is empty")
-        pairs.append((data["prompt"], data["response"]))
-    if not pairs:
+        rows.append((data["prompt"], data["response"]))
+    if not rows:
         raise SFTDataError(f"{source}: no rows")
-    return pairs
+    return rows
 
 
 def instruction_examples(
@@ -69,8 +97,15 @@ def instruction_examples(
 ) -> list[SFTExample]:
     """The examples of `sft.data_path`, or else the records' reference completions."""
     if data_path is not None:
-        return [encode_example(tok, p, r) for p, r in load_sft_jsonl(data_path)]
-    examples = [encode_example(tok, r.prompt, r.reference) for r in records if r.reference]
+        try:
+            return [encode_conversation(tok, row, f"{data_path} row {i}") if isinstance(row, list)
+                    else encode_example(tok, *row)
+                    for i, row in enumerate(load_sft_jsonl(data_path), start=1)]
+        except ChatError as err:
+            raise SFTDataError(str(err)) from err
+    examples = [SFTExample(tuple(encode_prompt(tok, r.prompt, r.messages)),
+                           (*tok.encode(r.reference), tok.eos_id))
+                for r in records if r.reference]
     if not examples:
         raise SFTDataError(
             "sft: the data group's prompts have no reference completions; set sft.data_path "
@@ -93,9 +128,8 @@ def sft_batch(
                     "raise the sequence length or pass truncate=True"
                 )
             ids = ids[: seq_length + 1]
-        # mask[t] is for label ids[t + 1]: on when that label is a response token.
-        first_label = len(ex.prompt_ids) - 1
-        mask = [1.0 if t >= first_label else 0.0 for t in range(len(ids) - 1)]
+        # mask[t] is for label ids[t + 1]: on when that label is a trained response token.
+        mask = ex.label_mask()[: len(ids) - 1]
         pad = seq_length + 1 - len(ids)
         rows.append(ids + [pad_id] * pad)
         masks.append(mask + [0.0] * pad)
@@ -158,8 +192,7 @@ def packed_batch(rows: Sequence[Sequence[SFTExample]], seq_length: int, pad_id: 
             seq = list(ex.prompt_ids) + list(ex.response_ids)
             ids += seq[:-1]
             targets += seq[1:]
-            first_label = len(ex.prompt_ids) - 1
-            mask += [1.0 if t >= first_label else 0.0 for t in range(len(seq) - 1)]
+            mask += ex.label_mask()
             ends.append(len(ids))
         if len(ids) > seq_length:
             raise ValueError(f"packed row {r}: {len(ids)} positions exceed {seq_length}")

@@ -1,12 +1,22 @@
-"""Tokenizers behind one protocol: a byte-level one the project ships, and any
-Hugging Face `tokenizer.json` found on local disk (no hub access at run time).
+"""Tokenizers behind one protocol: a byte-level one the project ships, and a Hugging
+Face tokenizer directory on local disk (no hub access at run time): `tokenizer.json`,
+its `tokenizer_config.json` (special tokens, chat template) or `chat_template.jinja`.
+An imported checkpoint's weights directory holds copies of these (`moerl hf import`).
+
+The `tokenizer` group (`TokenizerConfig`) picks one for every stage: the trainer, SFT,
+held-out evaluation and the rollout servers encode and stop with the same ids.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Literal, Protocol
+
+# What a tokenizer directory may hold besides tokenizer.json; `moerl hf import` copies them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
 
 
 class Tokenizer(Protocol):
@@ -18,8 +28,13 @@ class Tokenizer(Protocol):
     def pad_id(self) -> int: ...
     @property
     def bos_id(self) -> int | None: ...
+    @property
+    def stop_ids(self) -> tuple[int, ...]: ...
+    @property
+    def chat_template(self) -> str | None: ...
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
+    def special_text(self) -> dict[str, str]: ...
 
 
 @dataclass(frozen=True)
@@ -56,6 +71,17 @@ class ByteTokenizer:
     def bos_id(self) -> int | None:
         return self.BOS
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.EOS,)
+
+    @property
+    def chat_template(self) -> str | None:
+        return None  # bytes have no special-token text to mark turns with
+
+    def special_text(self) -> dict[str, str]:
+        return {}
+
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
@@ -65,27 +91,63 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
-class HFTokenizer:
-    """A Hugging Face fast tokenizer loaded from a local `tokenizer.json`."""
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
-    def __init__(self, path: str | Path, eos_token: str, pad_token: str | None = None,
-                 bos_token: str | None = None) -> None:
+
+class HFTokenizer:
+    """A Hugging Face fast tokenizer from a local directory (or its `tokenizer.json`).
+
+    BOS/EOS/PAD and the chat template come from `tokenizer_config.json` (or
+    `chat_template.jinja`) unless given; generation stops at EOS and at
+    `end_of_turn_token` (e.g. Kimi-K2's `<|im_end|>`) when the template ends turns
+    with a token other than EOS.
+    """
+
+    def __init__(self, path: str | Path, eos_token: str | None = None,
+                 pad_token: str | None = None, bos_token: str | None = None,
+                 end_of_turn_token: str | None = None, add_bos: bool | None = None,
+                 chat_template: str | None = None) -> None:
         from tokenizers import Tokenizer as FastTokenizer
 
-        file = Path(path)
-        if file.is_dir():
-            file = file / "tokenizer.json"
+        given = Path(path)
+        file = given / "tokenizer.json" if given.is_dir() else given
         if not file.is_file():
-            raise FileNotFoundError(f"data.tokenizer.path: no tokenizer.json at {file}")
+            raise FileNotFoundError(f"tokenizer.path: no tokenizer.json at {file}")
+        folder = file.parent
+        config: dict[str, Any] = {}
+        if (folder / "tokenizer_config.json").is_file():
+            config = json.loads((folder / "tokenizer_config.json").read_text())
         self._tok = FastTokenizer.from_file(str(file))
-        self._eos = self._token_id(eos_token, "eos_token")
-        self._pad = self._token_id(pad_token, "pad_token") if pad_token else self._eos
-        self._bos = self._token_id(bos_token, "bos_token") if bos_token else None
+        eos = eos_token or _token_text(config.get("eos_token"))
+        if eos is None:
+            raise ValueError(f"tokenizer.eos_token: {folder} names no EOS token "
+                             "(tokenizer_config.json eos_token); set tokenizer.eos_token")
+        self._eos = self._token_id(eos, "eos_token")
+        pad = pad_token or _token_text(config.get("pad_token"))
+        self._pad = self._token_id(pad, "pad_token") if pad else self._eos
+        bos = bos_token or _token_text(config.get("bos_token"))
+        self._bos = self._token_id(bos, "bos_token") if bos else None
+        if add_bos is None:
+            add_bos = bool(config.get("add_bos_token", self._bos is not None))
+        self.add_bos = add_bos and self._bos is not None
+        turn = self._token_id(end_of_turn_token, "end_of_turn_token") if end_of_turn_token else None
+        self._stops = tuple(dict.fromkeys(i for i in (self._eos, turn) if i is not None))
+        template = chat_template
+        if template is None and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        if template is None and isinstance(config.get("chat_template"), str):
+            template = config["chat_template"]
+        self._chat_template = template
+        self._specials = {"bos_token": bos or "", "eos_token": eos, "pad_token": pad or eos}
 
-    def _token_id(self, token: str, field: str) -> int:
+    def _token_id(self, token: str, field_name: str) -> int:
         token_id = self._tok.token_to_id(token)
         if token_id is None:
-            raise ValueError(f"data.tokenizer.{field}: {token!r} is not in the vocabulary")
+            raise ValueError(f"tokenizer.{field_name}: {token!r} is not in the vocabulary")
         return int(token_id)
 
     @property
@@ -102,10 +164,68 @@ class HFTokenizer:
 
     @property
     def bos_id(self) -> int | None:
-        return self._bos
+        return self._bos if self.add_bos else None
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._stops
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    def special_text(self) -> dict[str, str]:
+        return dict(self._specials)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=True))
+
+
+@dataclass
+class TokenizerConfig:
+    """The `tokenizer` group: the ids every stage of a run encodes, decodes and stops with."""
+
+    kind: Literal["byte", "hf"] = "byte"
+    """byte: UTF-8 bytes (the tiny model); hf: a Hugging Face tokenizer directory."""
+    path: str | None = None
+    """With hf: the directory (tokenizer.json, tokenizer_config.json), or an imported
+    checkpoint's weights directory."""
+    eos_token: str | None = None
+    """null: tokenizer_config.json's."""
+    pad_token: str | None = None
+    bos_token: str | None = None
+    end_of_turn_token: str | None = None
+    """A token that also ends generation (the chat template's end of an assistant turn)."""
+    add_bos: bool | None = None
+    """Prepend BOS to plain prompts; null: tokenizer_config.json's add_bos_token."""
+    chat_template: str | None = None
+    """A Jinja chat template replacing the directory's."""
+
+    def __post_init__(self) -> None:
+        if self.kind == "hf" and not self.path:
+            raise ValueError("tokenizer.path: tokenizer=hf needs the tokenizer's directory "
+                             "(tokenizer.json, tokenizer_config.json)")
+        if self.kind == "byte" and self.path:
+            raise ValueError("tokenizer.path: the byte tokenizer reads no files; set "
+                             "tokenizer=hf to use a tokenizer directory")
+
+
+def build_tokenizer(cfg: TokenizerConfig, model_vocab_size: int) -> Tokenizer:
+    """The configured tokenizer, checked against the model's padded vocabulary."""
+    tok: Tokenizer
+    if cfg.kind == "byte":
+        tok = ByteTokenizer(model_vocab_size)
+    else:
+        assert cfg.path is not None
+        tok = HFTokenizer(cfg.path, eos_token=cfg.eos_token, pad_token=cfg.pad_token,
+                          bos_token=cfg.bos_token, end_of_turn_token=cfg.end_of_turn_token,
+                          add_bos=cfg.add_bos, chat_template=cfg.chat_template)
+    if tok.vocab_size > model_vocab_size:
+        raise ValueError(
+            f"tokenizer: {cfg.path or 'the byte tokenizer'} has {tok.vocab_size} tokens but "
+            f"model.vocab_size (the padded embedding) is {model_vocab_size}; use the model "
+            "this tokenizer belongs to, or a larger model.vocab_size")
+    return tok

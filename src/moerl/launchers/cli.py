@@ -23,6 +23,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 from moerl.checkpoint.config import CheckpointError
 from moerl.models.arch import ArchError
@@ -64,7 +65,7 @@ def _model_info(args: argparse.Namespace, overrides: list[str]) -> int:
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from moerl.launchers.plan_cli import plan_main
 
-    return plan_main(overrides, as_json=args.json)
+    return plan_main(overrides, as_json=args.json, recipe=args.recipe)
 
 
 def _train_lm(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -160,6 +161,9 @@ def _parser() -> argparse.ArgumentParser:
     info.set_defaults(handler=_model_info)
     plan = sub.add_parser("plan", help="choose a parallel layout for a model on a cluster")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.add_argument("--recipe", type=Path, default=None, metavar="PATH",
+                      help="also write the best layout as a recipe "
+                           "(configs/experiment/NAME.yaml; slurm/ via moerl.launchers.recipes)")
     plan.set_defaults(handler=_plan)
     lm = sub.add_parser("train-lm", help="language-model training on the synthetic corpus")
     lm.set_defaults(handler=_train_lm)

@@ -6,8 +6,10 @@ and the torchrun environment (data parallel takes the ranks the layout leaves).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moerl.config import MODEL_FILE
+from moerl.data.tokenizer import TOKENIZER_FILES
 from moerl.models.arch import get_preset
 from moerl.models.build import build_model
 from moerl.models.hf import (
@@ -56,6 +60,16 @@ _USAGE = """usage:
 Run under torchrun for a layout with more than one rank."""
 
 
+def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
+    """The tokenizer files of a Hugging Face directory, copied beside imported weights."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
 def hf_main(argv: list[str]) -> int:
     """`moerl hf import|export ...`; returns the exit code."""
     if len(argv) < 3 or argv[0] not in ("import", "export"):
@@ -71,6 +85,12 @@ def hf_main(argv: list[str]) -> int:
             if dist.get_rank() == 0:  # what export needs: the arch as imported (MTP or not)
                 config = hf_config_from_arch(arch, HFCheckpoint(src).config)
                 (Path(dst) / HF_CONFIG_COPY).write_text(json.dumps(config, indent=2))
+                # ... and what `model_from=<dst>` reads (moerl train, moerl sft)
+                (Path(dst) / MODEL_FILE).write_text(json.dumps(dataclasses.asdict(arch), indent=2))
+                copied = copy_tokenizer_files(Path(src), Path(dst))
+                if copied:  # the weights dir is then also the run's tokenizer.path
+                    print(f"tokenizer: {', '.join(copied)} copied; tokenizer=hf "
+                          f"tokenizer.path={dst}")
             print(f"imported {arch.name} ({arch.num_layers} layers) into {dst}")
             return 0
         model = other.get("model", str(Path(src) / HF_CONFIG_COPY))

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from moerl.checkpoint.config import CheckpointConfig
-from moerl.config import compose
+from moerl.config import apply_model_from, compose
+from moerl.data.tokenizer import TokenizerConfig
 from moerl.models.arch import MoEArch
 from moerl.models.precision import PrecisionConfig, RecomputeConfig
 from moerl.parallel.layout import ParallelLayout
@@ -77,6 +78,16 @@ def check_precision_at_start(precision: PrecisionConfig, recompute: RecomputeCon
         raise ConfigError(str(err)) from err
 
 
+def check_tokenizer_at_start(tokenizer: TokenizerConfig, model_vocab_size: int) -> None:
+    """The tokenizer loads and fits the model's vocabulary, before any stage starts."""
+    from moerl.data.tokenizer import build_tokenizer
+
+    try:
+        build_tokenizer(tokenizer, model_vocab_size)
+    except (ValueError, OSError) as err:
+        raise ConfigError(str(err)) from err
+
+
 class _WithLayout(Protocol):
     model: MoEArch
     parallel: ParallelLayout
@@ -88,6 +99,7 @@ def load_with_layout[C: _WithLayout](overrides: list[str], config_name: str,
                                      schema: type[C]) -> C:
     """configs/<config_name>.yaml as `schema`, its layout derived and checked at start."""
     data = compose(overrides, config_name=config_name)
+    apply_model_from(data)
     layout = layout_for_world(data.pop("parallel"))
     cfg = from_dict(schema, {**data, "parallel": {}}, "")
     cfg.parallel = layout

@@ -236,7 +236,7 @@ def nemo_main(overrides: list[str]) -> int:
     root = Path(cfg.run_dir).resolve()
     plan = build_run_plan(root, overrides, cfg.launcher, cfg.rollout, cfg.rewards,
                           root / "arch.json", config_dir=config_dir().resolve(),
-                          precision=cfg.precision)
+                          precision=cfg.precision, tokenizer=cfg.tokenizer)
     with tempfile.TemporaryDirectory() as base:
         if cfg.launcher.kind == "slurm":
             plan, slurm_cfg = slurm_job(plan, cfg, root.name)

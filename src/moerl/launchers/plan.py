@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moerl.config import LaunchConfig
+from moerl.data.tokenizer import TokenizerConfig
 from moerl.launchers.stages import RunPlan, StageSpec
 from moerl.models.precision import PrecisionConfig
 from moerl.rewards.config import RewardStageConfig
@@ -17,6 +18,19 @@ from moerl.rollout.config import RolloutStageConfig
 
 def _cli(cfg: LaunchConfig, *args: str) -> tuple[str, ...]:
     return (cfg.python or sys.executable, "-m", "moerl.launchers.cli", *args)
+
+
+def rollout_tokenizer_argv(tokenizer: TokenizerConfig) -> list[str]:
+    """`moerl serve rollout` flags for the run's tokenizer (bytes: none)."""
+    if tokenizer.kind == "byte":
+        return []
+    assert tokenizer.path is not None
+    argv = ["--tokenizer", str(Path(tokenizer.path).resolve())]
+    for flag, value in (("--eos-token", tokenizer.eos_token), ("--pad-token", tokenizer.pad_token),
+                        ("--bos-token", tokenizer.bos_token),
+                        ("--end-of-turn-token", tokenizer.end_of_turn_token)):
+        argv += [flag, value] if value else []
+    return argv
 
 
 def rollout_precision_argv(precision: PrecisionConfig) -> list[str]:
@@ -30,7 +44,7 @@ def rollout_precision_argv(precision: PrecisionConfig) -> list[str]:
 def build_run_plan(
     run_dir: Path, overrides: list[str], launch: LaunchConfig, rollout: RolloutStageConfig,
     rewards: RewardStageConfig, arch_file: Path, config_dir: Path | None = None,
-    precision: PrecisionConfig | None = None,
+    precision: PrecisionConfig | None = None, tokenizer: TokenizerConfig | None = None,
 ) -> RunPlan:
     """The three stages; the trainer gets the user's overrides plus the run directory.
 
@@ -57,6 +71,7 @@ def build_run_plan(
             "--backend", rollout.backend, "--speculative", rollout.speculative,
             "--num-draft-tokens", str(rollout.num_draft_tokens),
             *rollout_precision_argv(precision),
+            *rollout_tokenizer_argv(tokenizer or TokenizerConfig()),
         )
     else:
         # The wrapper announces the engine in the rendezvous dir once it is healthy.

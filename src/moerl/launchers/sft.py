@@ -15,7 +15,8 @@ from pathlib import Path
 from moerl.checkpoint.config import CheckpointConfig
 from moerl.config import check_init_weights
 from moerl.data.prompts import DataConfig
-from moerl.launchers.lm import load_with_layout
+from moerl.data.tokenizer import TokenizerConfig
+from moerl.launchers.lm import check_tokenizer_at_start, load_with_layout
 from moerl.models.arch import MoEArch
 from moerl.models.precision import PrecisionConfig, RecomputeConfig
 from moerl.parallel.layout import ParallelLayout
@@ -31,10 +32,12 @@ class SFTRunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     out_dir: str = "runs/sft"
     init_weights: str | None = None
+    model_from: str | None = None  # a `moerl hf import` dir whose model.json replaces `model`
     seed: int = 0
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
     def __post_init__(self) -> None:
         if self.sft.steps < 1:
@@ -44,6 +47,7 @@ class SFTRunConfig:
 
 def load_sft_config(overrides: list[str]) -> SFTRunConfig:
     cfg = load_with_layout(overrides, "sft_run", SFTRunConfig)
+    check_tokenizer_at_start(cfg.tokenizer, cfg.model.vocab_size)
     try:
         cfg.sft.check_layout(cfg.parallel, cfg.model.mtp_num_layers)
     except ValueError as err:
@@ -58,7 +62,7 @@ def run_sft_command(overrides: list[str]) -> int:
     from moerl.checkpoint.config import Fingerprints
     from moerl.data.prompts import load_prompts
     from moerl.data.sft import instruction_examples
-    from moerl.data.tokenizer import ByteTokenizer
+    from moerl.data.tokenizer import build_tokenizer
     from moerl.models.features import resolve_precision
     from moerl.models.weights import save_weights
     from moerl.parallel.groups import destroy_parallel, init_parallel
@@ -69,7 +73,7 @@ def run_sft_command(overrides: list[str]) -> int:
 
     cfg = load_sft_config(overrides)
     out = Path(cfg.out_dir).resolve()
-    tok = ByteTokenizer(cfg.model.vocab_size)
+    tok = build_tokenizer(cfg.tokenizer, cfg.model.vocab_size)
     records = load_prompts(cfg.data)[0] if cfg.sft.data_path is None else []
     examples = instruction_examples(tok, cfg.sft.data_path, records)
     groups = init_parallel(cfg.parallel, seed=cfg.seed)

@@ -36,16 +36,22 @@ def _prepare_run_dir(cfg: RunConfig) -> tuple[Path, Path]:
 
 def run_train(overrides: list[str], dry_run: bool = False) -> int:
     """Launch the run described by `overrides` (locally or on SLURM)."""
-    from moerl.launchers.lm import check_layout_at_start, check_precision_at_start
+    from moerl.launchers.lm import (
+        check_layout_at_start,
+        check_precision_at_start,
+        check_tokenizer_at_start,
+    )
 
     cfg = load_run_config(overrides)
     check_layout_at_start(cfg.model, cfg.parallel,
                           world=cfg.launcher.trainer_ranks * cfg.launcher.trainer_nodes)
     if cfg.launcher.kind == "local":  # the stages run on this machine: check it has what they ask
         check_precision_at_start(cfg.precision, cfg.recompute)
+        check_tokenizer_at_start(cfg.tokenizer, cfg.model.vocab_size)
     root, arch_file = _prepare_run_dir(cfg)
     plan = build_run_plan(root, overrides, cfg.launcher, cfg.rollout, cfg.rewards, arch_file,
-                          config_dir=config_dir().resolve(), precision=cfg.precision)
+                          config_dir=config_dir().resolve(), precision=cfg.precision,
+                          tokenizer=cfg.tokenizer)
     console = Console(stderr=True)
     if cfg.launcher.kind == "slurm":
         from moerl.launchers.slurm_run import run_on_slurm

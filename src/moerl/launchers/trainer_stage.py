@@ -16,9 +16,10 @@ from rich.table import Table
 from moerl.checkpoint.collective import barrier
 from moerl.checkpoint.config import Fingerprints
 from moerl.config import RunConfig
+from moerl.data.chat import encode_prompt
 from moerl.data.prompts import PromptRecord, PromptStream, load_prompts
 from moerl.data.sft import instruction_examples
-from moerl.data.tokenizer import ByteTokenizer
+from moerl.data.tokenizer import Tokenizer, build_tokenizer
 from moerl.launchers.plan import RunLayout
 from moerl.models.features import resolve_precision
 from moerl.models.weights import save_weights
@@ -38,7 +39,7 @@ from moerl.trainer.sft import build_sft_trainable, run_sft
 from moerl.typed_config import from_dict, to_dict
 
 
-def sft_phase(cfg: RunConfig, groups: ParallelGroups, tok: ByteTokenizer,
+def sft_phase(cfg: RunConfig, groups: ParallelGroups, tok: Tokenizer,
               records: list[PromptRecord], out: Path) -> Path:
     """SFT from `init_weights` (or a fresh model) on `sft.data_path` or the records'
     reference completions; its weights dir."""
@@ -54,7 +55,7 @@ def sft_phase(cfg: RunConfig, groups: ParallelGroups, tok: ByteTokenizer,
 
 
 def _controller(cfg: RunConfig, root: Path, records: list[PromptRecord],
-                held_out: list[PromptRecord], tok: ByteTokenizer) -> Controller:
+                held_out: list[PromptRecord], tok: Tokenizer) -> Controller:
     rendezvous = Path(os.environ.get(ENV_RENDEZVOUS, root / "rendezvous"))
     engines = RolloutClient(rendezvous_dir=rendezvous,
                             config=ClientConfig(timeout_s=cfg.rollout.request_timeout_s),
@@ -62,11 +63,11 @@ def _controller(cfg: RunConfig, root: Path, records: list[PromptRecord],
     judges = RewardClient(RewardClientConfig(
         rendezvous_dir=rendezvous, batch_size=cfg.rewards.batch_size,
         timeout_s=cfg.rewards.timeout_s), seed=cfg.rl.seed)
-    bos = [] if tok.bos_id is None else [tok.bos_id]
     return Controller(
         engines=engines, judges=judges,
         prompts=PromptStream(records, seed=cfg.data.seed), held_out=held_out,
-        encode=lambda text: bos + tok.encode(text),
+        encode=lambda record: encode_prompt(tok, record.prompt, record.messages),
+        stop_token_ids=tok.stop_ids,
         logger=MetricsLogger(cfg.logger, root, to_dict(cfg)),
     )
 
@@ -108,7 +109,7 @@ def trainer_main(cfg: RunConfig, dirs: RunLayout) -> int:
 
 def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSignal) -> bool:
     """True when a stop signal ended the run (checkpointed) before its last step."""
-    tok = ByteTokenizer(cfg.model.vocab_size)
+    tok = build_tokenizer(cfg.tokenizer, cfg.model.vocab_size)
     records, held_out, _ = load_prompts(cfg.data)
     ckpt = _checkpoints(cfg, records, held_out)
     # A checkpoint holds the policy after SFT and RL: no SFT again on resume.

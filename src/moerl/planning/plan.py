@@ -49,6 +49,8 @@ class PlanConfig:
     run: RunSettings = field(default_factory=RunSettings)
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     search: SearchSettings = field(default_factory=SearchSettings)
+    reward_nodes: int = 4
+    """CPU nodes for the reward servers; written into a recipe, not planned."""
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -11,6 +12,7 @@ from rich.table import Table
 from moerl.models.arch import get_preset
 from moerl.planning.memory import GiB
 from moerl.planning.plan import Candidate, PlanConfig, search_layouts
+from moerl.planning.recipe import existing_notes, recipe_text
 from moerl.planning.rollout_fit import EngineFit, rollout_options
 from moerl.typed_config import ConfigError, from_dict, to_dict
 
@@ -104,8 +106,10 @@ def _rollout_table(options: list[EngineFit], nodes: int) -> Table:
     return table
 
 
-def report(config: PlanConfig, as_json: bool) -> int:
-    """Run the search and print the result; 1 when no layout fits."""
+def report(config: PlanConfig, as_json: bool, recipe: Path | None = None,
+           overrides: list[str] | None = None) -> int:
+    """Run the search and print the result; 1 when no layout fits. With `recipe`,
+    write the best layout and rollout engine shape there (`planning.recipe`)."""
     arch = get_preset(config.model)
     cluster, search = config.cluster, config.search
     result = search_layouts(arch, cluster, config.run, search)
@@ -131,6 +135,16 @@ def report(config: PlanConfig, as_json: bool) -> int:
         if miss is not None:
             console.print(f"closest: {miss.layout.describe()}: {miss.reason}")
         return 1
+    if recipe is not None:
+        engines = [o for o in options if o.fits]
+        if not engines:
+            console.print(f"no rollout engine fits {config.rollout.nodes} rollout nodes; "
+                          "no recipe written")
+            return 1
+        notes = existing_notes(recipe)
+        recipe.write_text(recipe_text(config, overrides or [], recipe, best[0], engines[0],
+                                      notes))
+        console.print(f"wrote {recipe}", markup=False)
     console.print(_layouts_table(config, best, considered))
     console.print(_memory_table(best[0], cluster.gpu_memory_gb * (1 - search.safety_margin)))
     console.print(_rollout_table(options, config.rollout.nodes))

@@ -18,10 +18,12 @@ class SamplingConfig:
     top_k: int = 0
     stop: list[str] = field(default_factory=list)
 
-    def params(self, n: int, seed: int | None) -> SamplingParams:
+    def params(self, n: int, seed: int | None,
+               stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
         return SamplingParams(
             max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, n=n, stop=tuple(self.stop), seed=seed,
+            stop_token_ids=stop_token_ids,
         )
 
 

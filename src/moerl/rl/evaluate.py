@@ -17,14 +17,16 @@ def evaluate(
     judges: RewardClient,
     records: Sequence[PromptRecord],
     sampling: SamplingConfig,
-    encode: Callable[[str], list[int]],
+    encode: Callable[[PromptRecord], list[int]],
     step: int,
+    stop_token_ids: tuple[int, ...] = (),
 ) -> dict[str, float]:
     """Pass rate (all tests pass) and mean reward, one sample per held-out prompt."""
     if not records:
         return {}
-    prompts = [encode(r.prompt) for r in records]
-    groups = engines.generate(prompts, n=1, sampling=sampling.params(n=1, seed=step))
+    prompts = [encode(r) for r in records]
+    groups = engines.generate(prompts, n=1, sampling=sampling.params(
+        n=1, seed=step, stop_token_ids=stop_token_ids))
     scored, _ = score_groups(judges, records, groups, step=-1 - step)
     rewards = [res.reward for g in scored for res in g.results if res.reward is not None]
     return {

@@ -41,8 +41,11 @@ class Controller:
     judges: RewardClient
     prompts: PromptStream
     held_out: list[PromptRecord]
-    encode: Callable[[str], list[int]]
+    encode: Callable[[PromptRecord], list[int]]
+    """A prompt's ids (plain text, or a conversation through the chat template)."""
     logger: MetricsLogger
+    stop_token_ids: tuple[int, ...] = ()
+    """Ids that end a generation besides the servers' EOS (the tokenizer's end of turn)."""
     collector: Callable[[Controller, RLConfig, int], Batch] | None = None
     """Replaces the prompt collect below, e.g. agent episodes (rl/agent/collect.py)."""
 
@@ -63,8 +66,9 @@ def collect(ctl: Controller, cfg: RLConfig, step: int) -> Batch:
         records = ctl.prompts.take(cfg.prompts_per_step)
         with timer.phase("rollout"):
             groups = ctl.engines.generate(
-                [ctl.encode(r.prompt) for r in records], n=cfg.group_size,
-                sampling=cfg.sampling.params(cfg.group_size, seed=cfg.seed * 100_003 + step))
+                [ctl.encode(r) for r in records], n=cfg.group_size,
+                sampling=cfg.sampling.params(cfg.group_size, seed=cfg.seed * 100_003 + step,
+                                             stop_token_ids=ctl.stop_token_ids))
         with timer.phase("reward"):
             scored, reward_metrics = score_groups(ctl.judges, records, groups, step)
         seen += scored
@@ -127,7 +131,8 @@ def train(cfg: RLConfig, policy: Policy, sync: WeightSync, ctl: Controller | Non
     for step in range(start_step, cfg.steps):
         if ctl is not None and ctl.held_out and (step == 0 or (cfg.eval_interval and
                                                                step % cfg.eval_interval == 0)):
-            scores = evaluate(ctl.engines, ctl.judges, ctl.held_out, _greedy(cfg), ctl.encode, step)
+            scores = evaluate(ctl.engines, ctl.judges, ctl.held_out, _greedy(cfg), ctl.encode, step,
+                              ctl.stop_token_ids)
             ctl.logger.log(step, scores)
             print(f"eval at step {step}: pass rate {scores.get('eval/pass_rate', 0):.3f}",
                   flush=True)
@@ -154,7 +159,7 @@ def train(cfg: RLConfig, policy: Policy, sync: WeightSync, ctl: Controller | Non
         producer.stop()
     if ctl is not None and ctl.held_out:  # agent tasks have no held-out prompts
         ctl.logger.log(cfg.steps, evaluate(ctl.engines, ctl.judges, ctl.held_out, _greedy(cfg),
-                                           ctl.encode, cfg.steps))
+                                           ctl.encode, cfg.steps, ctl.stop_token_ids))
     return False
 
 

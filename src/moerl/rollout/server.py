@@ -157,13 +157,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--params-dtype", choices=get_args(ParamsDtype), default="auto",
                    help="the run's precision.params_dtype")
     p.add_argument("--fp8", choices=FP8_RECIPES, default=None, help="the run's precision.fp8")
-    p.add_argument("--tokenizer", default=None, help="local tokenizer.json (default: bytes)")
-    p.add_argument("--eos-token", default=None, help="EOS token text of --tokenizer")
+    p.add_argument("--tokenizer", default=None,
+                   help="a Hugging Face tokenizer directory (the run's tokenizer.path); "
+                        "default: bytes")
+    p.add_argument("--eos-token", default=None, help="EOS token text (default: the directory's)")
+    p.add_argument("--pad-token", default=None)
+    p.add_argument("--bos-token", default=None)
+    p.add_argument("--end-of-turn-token", default=None,
+                   help="a token that also ends generation (the chat template's end of turn)")
     args = p.parse_args(argv)
     if args.max_batch < 1:
         p.error("--max-batch must be >= 1")
-    if args.tokenizer and not args.eos_token:
-        p.error("--tokenizer needs --eos-token")
     return args
 
 
@@ -178,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     tokenizer: Tokenizer = (
-        HFTokenizer(args.tokenizer, eos_token=args.eos_token) if args.tokenizer
-        else ByteTokenizer()
+        HFTokenizer(args.tokenizer, eos_token=args.eos_token, pad_token=args.pad_token,
+                    bos_token=args.bos_token, end_of_turn_token=args.end_of_turn_token)
+        if args.tokenizer else ByteTokenizer()
     )
     speculative = SpeculativeConfig(mode=args.speculative, num_draft_tokens=args.num_draft_tokens,
                                     adaptive=args.adaptive_drafts)
@@ -201,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
             while not server.started:
                 await asyncio.sleep(0.05)
             port = server.servers[0].sockets[0].getsockname()[1]
-            log.info("rollout server %s on %s:%d (backend %s, weights v%d)", args.model,
-                     args.host, port, engine.backend, engine.weight_version)
+            log.info("rollout server %s on %s:%d (backend %s, weights v%d, tokenizer %s)",
+                     args.model, args.host, port, engine.backend, engine.weight_version,
+                     args.tokenizer or "bytes")
             if args.rendezvous_dir:
                 published.append(announce_endpoint(
                     args.rendezvous_dir, "rollout", args.index, args.host, port))

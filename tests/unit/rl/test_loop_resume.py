@@ -42,7 +42,7 @@ def _run(tmp_path: Path, mode: str, start: int = 0, prompts: dict[str, int] | No
         stream.restore(prompts)
     logger = MetricsLogger(LoggerConfig(wandb_mode="disabled", plot=False), tmp_path, {})
     ctl = Controller(engines, FakeJudges(), stream, records[:2],  # type: ignore[arg-type]
-                     lambda text: [int(text.split()[-1])], logger)
+                     lambda record: [int(record.prompt.split()[-1])], logger)
     cfg = RLConfig(steps=STEPS, prompts_per_step=2, group_size=4, mode=mode,  # type: ignore[arg-type]
                    max_staleness=1, eval_interval=2)
     ends: list[StepEnd] = []
