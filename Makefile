@@ -25,7 +25,7 @@ typecheck: setup
 TEST_WORKERS ?= 2
 
 test: lint typecheck
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slurm" tests
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 -m "not slurm" tests
 	$(VENV)/bin/pytest -q -m slurm tests/slurm
 
 # Full sizes; `make test` runs each benchmark with --smoke

@@ -208,9 +208,13 @@ class TokenizerConfig:
         if self.kind == "hf" and not self.path:
             raise ValueError("tokenizer.path: tokenizer=hf needs the tokenizer's directory "
                              "(tokenizer.json, tokenizer_config.json)")
-        if self.kind == "byte" and self.path:
-            raise ValueError("tokenizer.path: the byte tokenizer reads no files; set "
-                             "tokenizer=hf to use a tokenizer directory")
+        if self.kind == "byte":
+            for name in ("path", "eos_token", "pad_token", "bos_token", "end_of_turn_token",
+                         "add_bos", "chat_template"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"tokenizer.{name}: the byte tokenizer has fixed ids and "
+                                     "no files or template; set tokenizer=hf to use a "
+                                     "tokenizer directory")
 
 
 def build_tokenizer(cfg: TokenizerConfig, model_vocab_size: int) -> Tokenizer:

@@ -35,10 +35,13 @@ def rollout_tokenizer_argv(tokenizer: TokenizerConfig) -> list[str]:
 
 def rollout_precision_argv(precision: PrecisionConfig) -> list[str]:
     """`moerl serve rollout` flags for the run's precision (inference: no recompute,
-    offloading or FP8 primary weights)."""
-    return ["--transformer-impl", precision.transformer_impl,
-            "--params-dtype", precision.params_dtype,
-            *(["--fp8", precision.fp8] if precision.fp8 else [])]
+    offloading or FP8 primary weights); the server's defaults (auto) are left out."""
+    argv = []
+    if precision.transformer_impl != "auto":
+        argv += ["--transformer-impl", precision.transformer_impl]
+    if precision.params_dtype != "auto":
+        argv += ["--params-dtype", precision.params_dtype]
+    return argv + (["--fp8", precision.fp8] if precision.fp8 else [])
 
 
 def build_run_plan(

@@ -51,6 +51,8 @@ def test_a_vocabulary_larger_than_the_models_is_refused_naming_both(hf_dir: Path
 def test_bad_tokenizer_settings_name_the_field(hf_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"tokenizer\.path"):
         TokenizerConfig(kind="hf")
+    with pytest.raises(ValueError, match=r"tokenizer\.end_of_turn_token: the byte tokenizer"):
+        TokenizerConfig(end_of_turn_token="</s>")
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.path"):
         build_tokenizer(TokenizerConfig(kind="hf", path=str(tmp_path)), 512)
     with pytest.raises(ValueError, match=r"tokenizer\.end_of_turn_token: '<eot>'"):
