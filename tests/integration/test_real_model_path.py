@@ -81,8 +81,9 @@ def test_hf_checkpoint_through_sft_rl_and_back_to_transformers(tmp_path: Path) -
     imported = tmp_path / "imported"
     _moerl("hf", "import", str(hf), str(imported))
     assert (imported / "model.json").is_file() and (imported / "tokenizer.json").is_file()
+    # The chat model's EOS is the end of an assistant turn (as in ChatML models).
     tokenizer = ["tokenizer=hf", f"tokenizer.path={imported}",
-                 "tokenizer.end_of_turn_token='<|im_end|>'"]
+                 "tokenizer.eos_token='<|im_end|>'"]
 
     data = comment_tasks(tmp_path / "data")
     train, held_out = (Path(o.split("=", 1)[1]) for o in data[1:])
@@ -113,7 +114,7 @@ def test_hf_checkpoint_through_sft_rl_and_back_to_transformers(tmp_path: Path) -
     # the architecture as imported (transformers drops the MTP layer the config names)
     _moerl("hf", "export", str(final), str(exported), f"model={imported / 'hf_config.json'}")
 
-    tok = HFTokenizer(imported, end_of_turn_token="<|im_end|>")
+    tok = HFTokenizer(imported, eos_token="<|im_end|>")
     records = [json.loads(line) for line in held_out.read_text().splitlines()]
     for record in records:  # the tokenizer round-trips every prompt
         text = record["messages"][0]["content"]
@@ -128,11 +129,11 @@ def test_hf_checkpoint_through_sft_rl_and_back_to_transformers(tmp_path: Path) -
             reply = httpx.post(f"http://{address}/v1/completions", timeout=120, json={
                 "prompt": [prompt], "max_tokens": MAX_TOKENS, "temperature": 0,
                 "stop_token_ids": list(tok.stop_ids)}).json()["choices"][0]
-            # SFT taught "ok" and the end of the turn: generation ends at a stop id.
-            assert reply["finish_reason"] == "stop" and reply["token_ids"][-1] in tok.stop_ids
+            # SFT taught "ok" and the end of the turn: generation ends at the EOS.
+            assert reply["finish_reason"] == "stop" and reply["token_ids"][-1] == tok.eos_id
             with torch.no_grad():
                 out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
-                                     do_sample=False, eos_token_id=list(tok.stop_ids),
+                                     do_sample=False, eos_token_id=tok.eos_id,
                                      pad_token_id=tok.pad_id)
             assert out[0, len(prompt):].tolist() == reply["token_ids"], (prompt, reply)
     finally:
