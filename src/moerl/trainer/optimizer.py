@@ -10,8 +10,11 @@ expert-bias update).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
@@ -80,6 +83,8 @@ def build_optimizer(
         ),
         model,
     )
+    if not offload:
+        fuse_torch_adam(optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if cfg.warmup_steps else cfg.lr,
@@ -94,3 +99,42 @@ def build_optimizer(
         wd_incr_style="constant",
     )
     return Trainable(model=model, optimizer=optimizer, scheduler=scheduler)
+
+
+def torch_optimizers(optimizer: Any) -> Iterator[torch.optim.Optimizer]:
+    """The torch optimizers inside a Megatron optimizer (chained or not)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        yield optimizer
+        return
+    parts = getattr(optimizer, "chained_optimizers", None)
+    if parts is not None:  # its `.optimizer` refuses to answer for more than one
+        for part in parts:
+            yield from torch_optimizers(part)
+        return
+    inner = getattr(optimizer, "optimizer", None)
+    if inner is not None and inner is not optimizer:
+        yield from torch_optimizers(inner)
+
+
+def fuse_torch_adam(optimizer: Any) -> int:
+    """Switch torch's Adam/AdamW inside `optimizer` to its fused kernel; the number of
+    param groups switched.
+
+    Megatron builds torch's AdamW when neither Transformer Engine nor Apex provides a
+    fused Adam (every CPU run), and torch then takes its per-tensor loop: on the tiny
+    model 6-9 ms of a 170 ms SFT step against 1.7 ms fused (the same update, computed
+    in one pass per tensor). Groups whose tensors the fused kernel does not take
+    (devices other than CPU and CUDA, non-float types, CUDA-graph capturable state)
+    keep the loop."""
+    fused = 0
+    for torch_opt in torch_optimizers(optimizer):
+        if not isinstance(torch_opt, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in torch_opt.param_groups:
+            if group.get("capturable") or group.get("differentiable") or group.get("foreach"):
+                continue
+            if all(p.device.type in ("cpu", "cuda") and p.is_floating_point()
+                   for p in group["params"]):
+                group["fused"] = True
+                fused += 1
+    return fused
