@@ -13,7 +13,7 @@ from moerl.launchers.stages import RunPlan, StageSpec
 from moerl.models.precision import PrecisionConfig
 from moerl.rewards.config import RewardStageConfig
 from moerl.rollout.backends import check_engine, engine_argv, launch_env
-from moerl.rollout.config import RolloutStageConfig
+from moerl.rollout.config import RolloutStageConfig, server_ranks_argv
 
 
 def _cli(cfg: LaunchConfig, *args: str) -> tuple[str, ...]:
@@ -68,14 +68,17 @@ def build_run_plan(
     )
     precision = precision or PrecisionConfig()
     if check_engine(rollout.engine) == "moerl":
-        rollout_command = _cli(
+        python = launch.python or sys.executable
+        prefix, ranks_flags = server_ranks_argv(rollout, python)
+        backend = ["--backend", rollout.backend] if not ranks_flags else []
+        rollout_command = (*prefix, *_cli(
             launch, "serve", "rollout", "--host", "{host}", "--port", "{port}",
             "--arch-file", str(arch_file), "--max-batch", str(rollout.max_batch),
-            "--backend", rollout.backend, "--speculative", rollout.speculative,
-            "--num-draft-tokens", str(rollout.num_draft_tokens),
+            *backend, "--speculative", rollout.speculative,
+            "--num-draft-tokens", str(rollout.num_draft_tokens), *ranks_flags,
             *rollout_precision_argv(precision),
             *rollout_tokenizer_argv(tokenizer or TokenizerConfig()),
-        )
+        ))
     else:
         # The wrapper announces the engine in the rendezvous dir once it is healthy.
         python = launch.python or sys.executable

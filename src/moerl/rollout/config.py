@@ -6,6 +6,7 @@ backends (`backends.py`) turn it into vLLM / SGLang command lines.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,9 +26,44 @@ class RolloutStageConfig:
     engine: str = "moerl"  # moerl | vllm | sglang (see rl.rollout.backends)
     # vllm / sglang only: they serve Hugging Face weights (`moerl hf export`).
     hf_model_dir: str | None = None
+    # Each server's layout, every engine: moerl runs a server of lcm(tp, ep) ranks
+    # under torchrun (`rollout.ranks`), vLLM / SGLang get their own flags.
     tensor_parallel: int = 1
     expert_parallel: int = 1
     dtype: str = "bfloat16"
     max_model_len: int | None = None
     served_model_name: str | None = None
     gpu_memory_utilization: float = 0.85
+
+
+def server_ranks(cfg: RolloutStageConfig) -> int:
+    """Ranks of one moerl rollout server: tensor parallelism times the data-parallel
+    replicas inside it that the experts need to spread over `expert_parallel` ranks."""
+    for name in ("tensor_parallel", "expert_parallel"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"rollout.{name}: must be >= 1, got {getattr(cfg, name)}")
+    return math.lcm(cfg.tensor_parallel, cfg.expert_parallel)
+
+
+def server_ranks_argv(cfg: RolloutStageConfig, python: str) -> tuple[list[str], list[str]]:
+    """(launcher prefix, `moerl serve rollout` flags) for one moerl server's ranks:
+    nothing for one rank, torchrun on this node's ranks otherwise (the prefix ends in
+    `--no-python`: the server's own command line follows)."""
+    ranks = server_ranks(cfg)
+    if ranks == 1:
+        return [], []
+    if cfg.speculative != "none" or cfg.backend == "dynamic":
+        raise ValueError(
+            f"rollout.tensor_parallel / rollout.expert_parallel: a server across ranks runs "
+            f"the static decoder; set rollout.backend=static (got {cfg.backend!r}) and "
+            f"rollout.speculative=none (got {cfg.speculative!r}), or serve on one rank")
+    if cfg.gpus_per_node and ranks > cfg.gpus_per_node:
+        raise ValueError(
+            f"rollout.tensor_parallel / rollout.expert_parallel: a server of {ranks} ranks "
+            f"does not fit one node's {cfg.gpus_per_node} GPUs (rollout.gpus_per_node); "
+            "servers span one node each")
+    prefix = [python, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+              f"--nproc-per-node={ranks}", "--no-python"]
+    flags = ["--tp", str(cfg.tensor_parallel), "--ep", str(cfg.expert_parallel),
+             "--backend", "static"]
+    return prefix, flags

@@ -13,10 +13,11 @@ by one set of weights, and every `Sample` names that version.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -27,6 +28,7 @@ from moerl.data.tokenizer import Tokenizer
 from moerl.models.arch import MoEArch
 from moerl.models.precision import PrecisionConfig
 from moerl.rollout.dynamic_decode import DynamicDecoder, dynamic_missing
+from moerl.rollout.ranks import Command, RolloutRanks, WeightLoadError, serving_layout
 from moerl.rollout.sampling import RowSampling
 from moerl.rollout.speculative.config import SpeculativeConfig
 from moerl.rollout.speculative_decode import SpeculativeDecoder
@@ -51,10 +53,6 @@ class RolloutEngine(Protocol):
     def load_weights(self, path: str | Path, version: int) -> None: ...
 
 
-class WeightLoadError(RuntimeError):
-    """A weight update failed; the previous weights and version are still served."""
-
-
 class EngineBroken(RuntimeError):
     """The weights are in an unknown state (a failed update could not be undone)."""
 
@@ -69,18 +67,22 @@ class EngineOptions:
 
 
 class MegatronEngine:
-    """`RolloutEngine` on one `GPTModel` held by this process (TP = PP = 1)."""
+    """`RolloutEngine` on the `GPTModel` this process holds: the whole model, or with
+    `ranks` this rank's shard of it (see `rollout.ranks`; then this engine is the
+    leader's, or a follower's driven by `ranks.follow`)."""
 
     def __init__(self, model: GPTModel, tokenizer: Tokenizer, max_sequence_length: int,
                  options: EngineOptions | None = None, weight_version: int = 0,
-                 weights_path: str | Path | None = None) -> None:
+                 weights_path: str | Path | None = None,
+                 ranks: RolloutRanks | None = None) -> None:
         self.model = model
+        self.ranks = ranks if ranks is not None and ranks.size > 1 else None
         self.tokenizer = tokenizer
         self.max_sequence_length = max_sequence_length
         self.options = options or EngineOptions()
         self._version = weight_version
         self._weights_path = Path(weights_path) if weights_path is not None else None
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # generation and weight loads, one at a time
         self.broken: str | None = None
         backend = self.options.backend
         if backend == "auto" and self.options.speculative.enabled:
@@ -91,6 +93,10 @@ class MegatronEngine:
         if speculative.enabled and self.backend == "dynamic":
             raise ValueError("speculative decoding runs on the static backend; set "
                              "backend='static' or speculative.mode='none'")
+        if self.ranks is not None and (speculative.enabled or self.backend != "static"):
+            raise ValueError("a rollout server across ranks runs the static decoder: set "
+                             "backend='static' and speculative.mode='none', or serve on one "
+                             "rank")
         self._decoder: StaticDecoder | DynamicDecoder | SpeculativeDecoder
         if speculative.enabled:
             self._decoder = SpeculativeDecoder(model, eos, tokenizer.decode, speculative)
@@ -99,7 +105,8 @@ class MegatronEngine:
                 model, eos, tokenizer.decode, tokenizer.encode, self.options.max_batch,
                 max_sequence_length, self.options.logprob_mode)
         else:
-            self._decoder = StaticDecoder(model, eos, tokenizer.decode)
+            agree = self.ranks.agree_tokens if self.ranks is not None else None
+            self._decoder = StaticDecoder(model, eos, tokenizer.decode, agree)
         model.eval()
 
     @staticmethod
@@ -131,24 +138,33 @@ class MegatronEngine:
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
         for request in requests:
             self.check(request)
-        rows: list[list[DecodeRow]] = []
-        for request in requests:
-            seed = request.sampling.seed
-            seed = secrets.randbits(62) if seed is None else seed
-            rows.append([
-                DecodeRow(list(request.prompt_token_ids),
-                          RowSampling.make(request.sampling, seed, i))
-                for i in range(request.sampling.n)
-            ])
-        with self._lock:
+        # A request without a seed gets one here, so every rank samples alike.
+        seeded = [r if r.sampling.seed is not None else
+                  replace(r, sampling=replace(r.sampling, seed=secrets.randbits(62)))
+                  for r in requests]  # fmt: skip
+        with self.lock:
             if self.broken is not None:
                 raise EngineBroken(self.broken)
-            version = self._version
-            flat = [row for group in rows for row in group]
-            # Similar prompt lengths share a forward: fewer steps spent reading prompts.
-            flat.sort(key=lambda r: len(r.prompt))
-            for i in range(0, len(flat), self.options.max_batch):
-                self._decoder.decode(flat[i : i + self.options.max_batch])
+            if self.ranks is not None:
+                self.ranks.send(Command("generate", tuple(seeded)))
+            return self.run_batch(seeded)
+
+    def run_batch(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        """Decode seeded `requests` (on every rank of a server across ranks at once)."""
+        rows: list[list[DecodeRow]] = []
+        for request in requests:
+            assert request.sampling.seed is not None
+            rows.append([
+                DecodeRow(list(request.prompt_token_ids),
+                          RowSampling.make(request.sampling, request.sampling.seed, i))
+                for i in range(request.sampling.n)
+            ])
+        version = self._version
+        flat = [row for group in rows for row in group]
+        # Similar prompt lengths share a forward: fewer steps spent reading prompts.
+        flat.sort(key=lambda r: len(r.prompt))
+        for i in range(0, len(flat), self.options.max_batch):
+            self._decoder.decode(flat[i : i + self.options.max_batch])
         return [[self._sample(row, version) for row in group] for group in rows]
 
     @staticmethod
@@ -170,27 +186,44 @@ class MegatronEngine:
         A failed load leaves the old weights and version: they are read back from
         their own checkpoint (or from a host copy when they were a random init).
         """
-        from moerl.models.weights import load_weights
         from moerl.models.weights_marker import is_complete
 
         path = Path(path)
         if not is_complete(path):
             raise FileNotFoundError(f"{path} is not a complete weights checkpoint")
-        with self._lock:
-            backup = None
-            if self._weights_path is None:
-                backup = {k: v.detach().to("cpu", copy=True)
-                          for k, v in self.model.state_dict().items() if torch.is_tensor(v)}
-            try:
-                load_weights([self.model], path)
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as exc:  # torch's CheckpointException is a BaseException
-                self._restore(backup)
-                raise WeightLoadError(f"loading {path} as version {version} failed: "
-                                      f"{str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
-            self._weights_path, self._version = path, version
-            self.model.eval()
+        with self.lock:
+            if self.ranks is not None:
+                self.ranks.send(Command("load", path=str(path), version=version))
+            self.load_on_every_rank(path, version)
+
+    def load_on_every_rank(self, path: str | Path, version: int) -> None:
+        """This rank's shard of `path`; all ranks keep the old weights unless every
+        rank loaded its shard."""
+        from moerl.models.weights import load_weights
+
+        path = Path(path)
+        backup = None
+        if self._weights_path is None:
+            backup = {k: v.detach().to("cpu", copy=True)
+                      for k, v in self.model.state_dict().items() if torch.is_tensor(v)}
+        error: BaseException | None = None
+        try:
+            load_weights([self.model], path)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # torch's CheckpointException is a BaseException
+            error = exc
+        loaded = error is None
+        if self.ranks is not None:
+            loaded = self.ranks.all_ok(loaded)
+        if not loaded:
+            self._restore(backup)
+            why = ("another rank failed" if error is None else
+                   str(error).splitlines()[0] if str(error) else repr(error))
+            raise WeightLoadError(f"loading {path} as version {version} failed: {why}") \
+                from error
+        self._weights_path, self._version = path, version
+        self.model.eval()
 
     def _restore(self, backup: dict[str, torch.Tensor] | None) -> None:
         from moerl.models.weights import load_weights
@@ -208,16 +241,19 @@ class MegatronEngine:
 def build_engine(preset: str | MoEArch, tokenizer: Tokenizer, *,
                  weights: str | Path | None = None,
                  seed: int = 0, options: EngineOptions | None = None,
-                 precision: PrecisionConfig | None = None) -> MegatronEngine:
-    """A one-process engine for model `preset`: weights from `weights` (version 0),
-    or a random init from `seed`. `precision`: the run's (None: this machine's default,
-    bf16 with Transformer Engine where it runs on a GPU, fp32 on CPU)."""
+                 precision: PrecisionConfig | None = None,
+                 tp: int = 1, ep: int = 1) -> MegatronEngine:
+    """The engine for model `preset`: weights from `weights` (version 0), or a random
+    init from `seed`. `precision`: the run's (None: this machine's default, bf16 with
+    Transformer Engine where it runs on a GPU, fp32 on CPU). Under torchrun every rank
+    calls this and holds its shard of a `tp` x `ep` layout (`rollout.ranks`)."""
+    import torch.distributed as dist
+
     from moerl.models.arch import get_preset
     from moerl.models.build import build_model
     from moerl.models.features import resolve_precision
     from moerl.models.weights import load_weights
     from moerl.parallel.groups import init_parallel
-    from moerl.parallel.layout import ParallelLayout
 
     arch = get_preset(preset) if isinstance(preset, str) else preset
     if tokenizer.vocab_size > arch.vocab_size:
@@ -225,12 +261,14 @@ def build_engine(preset: str | MoEArch, tokenizer: Tokenizer, *,
             f"tokenizer vocabulary ({tokenizer.vocab_size}) is larger than model {arch.name!r}'s "
             f"({arch.vocab_size})"
         )
-    layout = ParallelLayout()
-    init_parallel(layout, seed=seed)
+    layout = serving_layout(arch, int(os.environ.get("WORLD_SIZE", "1")), tp, ep)
+    groups = init_parallel(layout, seed=seed)
+    ranks = RolloutRanks() if dist.get_world_size() > 1 else None
     # On a GPU the model runs in bf16 by default (as the trainer does): the dynamic
     # engine's flash attention takes fp16/bf16 only. CPU keeps fp32.
-    (model,) = build_model(arch, layout, precision=resolve_precision(precision))
+    (model,) = build_model(arch, layout, precision=resolve_precision(precision),
+                           backend=groups.backend)
     if weights is not None:
         load_weights([model], weights)
     return MegatronEngine(model, tokenizer, arch.max_position_embeddings, options,
-                          weights_path=weights)
+                          weights_path=weights, ranks=ranks)

@@ -5,6 +5,9 @@ POST /update_weights {"path": dir, "version": int}. A weight update runs alone o
 the engine (see `batching`); a request that has waited longer than
 `--update-wait` seconds behind an update is answered 503 with Retry-After and
 never from half-loaded weights. Every completion names its weight version.
+
+Under torchrun (`--tp`, `--ep`) the model is split over the job's ranks: rank 0
+serves HTTP and the others follow it (`rollout.ranks`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from moerl.rendezvous import announce as announce_endpoint
 from moerl.rollout.batching import BatchScheduler
 from moerl.rollout.engine import EngineBroken, EngineOptions, MegatronEngine, build_engine
 from moerl.rollout.openai_api import CompletionBody, UpdateBody, to_requests, to_response
+from moerl.rollout.ranks import follow
 from moerl.rollout.speculative.config import SPECULATIVE_MODES, SpeculativeConfig
 from moerl.rollout.types import LOGPROB_MODES, RequestError
 from moerl.typed_config import from_dict
@@ -143,6 +147,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-wait-ms", type=float, default=50.0,
                    help="how long a request may wait for others to share its batch")
     p.add_argument("--backend", choices=("auto", "static", "dynamic"), default="auto")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallelism across this server's ranks (under torchrun)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism across this server's ranks (under torchrun)")
     p.add_argument("--speculative", choices=SPECULATIVE_MODES, default="none",
                    help="draft tokens with n-gram lookup or the MTP head; samples keep the "
                         "policy's distribution")
@@ -168,6 +176,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_batch < 1:
         p.error("--max-batch must be >= 1")
+    if args.tp < 1 or args.ep < 1:
+        p.error("--tp and --ep must be >= 1")
     return args
 
 
@@ -192,7 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     precision = PrecisionConfig(transformer_impl=args.transformer_impl,
                                 params_dtype=args.params_dtype, fp8=args.fp8)
     engine = build_engine(_arch(args), tokenizer, weights=args.weights, seed=args.seed,
-                          options=options, precision=precision)
+                          options=options, precision=precision, tp=args.tp, ep=args.ep)
+    if engine.ranks is not None and not engine.ranks.leader:
+        follow(engine, engine.ranks)
+        return 0
     scheduler = BatchScheduler(engine, args.max_batch, args.batch_wait_ms / 1000)
     state = ServerState(engine, scheduler, args.model, args.update_wait)
     app = create_app(state)
@@ -220,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         for path in published:
             path.unlink(missing_ok=True)
         scheduler.close()
+        if engine.ranks is not None:  # the followers end with the leader
+            with engine.lock:
+                engine.ranks.stop()
 
     app.router.lifespan_context = lifespan
     server.run()

@@ -32,6 +32,8 @@ from moerl.rollout.sampling import RowSampling, choose_tokens
 from moerl.rollout.types import FinishReason, SpeculationStats
 
 Detokenize = Callable[[list[int]], str]
+# Every rank of a rollout server across ranks takes the leader's tokens (identity on one).
+AgreeTokens = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -73,11 +75,13 @@ def check_stop(row: DecodeRow, eos_id: int | None, detokenize: Detokenize) -> No
 class StaticDecoder:
     """Decodes a batch of `DecodeRow`s with a fresh KV cache sized to the batch."""
 
-    def __init__(self, model: GPTModel, eos_id: int | None, detokenize: Detokenize) -> None:
+    def __init__(self, model: GPTModel, eos_id: int | None, detokenize: Detokenize,
+                 agree: AgreeTokens | None = None) -> None:
         self.model = model
         self.eos_id = eos_id
         self.detokenize = detokenize
         self.device = next(model.parameters()).device
+        self.agree = agree
 
     def decode(self, rows: list[DecodeRow]) -> None:
         with torch.inference_mode(), InferenceMode.active():
@@ -132,6 +136,8 @@ class StaticDecoder:
             return
         chosen = [rows[slots[j]] for j in picks]
         new, logprobs = choose_tokens(logits[picks], [row.sampling for row in chosen])
+        if self.agree is not None:
+            new = self.agree(new)
         for j, row, token, logprob in zip(picks, chosen, new.tolist(), logprobs.tolist(),
                                           strict=True):
             tokens[slots[j], end] = token

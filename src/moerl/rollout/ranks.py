@@ -1,0 +1,140 @@
+"""The rollout server across ranks: one model split over the ranks of a torchrun job.
+
+`moerl serve rollout --tp T --ep E` under torchrun builds the policy with a
+`ParallelLayout` of its own (tensor and expert parallelism; every other rank count
+is data parallelism inside the server, which runs the same batch on each replica).
+Rank 0, the leader, serves HTTP. Every batch and weight update it runs is first
+sent to the other ranks (followers) over a gloo group of its own, and all ranks run
+it together: the same rows in the same order, the same forwards (their collectives
+pair up), each rank loading only its shard of a published weight version. Tokens
+are sampled on every rank from the same gathered logits and then replaced by the
+leader's, so no rank can drift from the sequence the leader answers with.
+
+Pipeline stages are not supported in the server: a decode step through PP stages
+would idle all but one of them (generation is one token at a time).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.distributed as dist
+
+from moerl.parallel.layout import LayoutError, ModelShape, ParallelLayout
+from moerl.rollout.types import GenerationRequest
+
+if TYPE_CHECKING:
+    from moerl.rollout.engine import MegatronEngine
+
+
+class WeightLoadError(RuntimeError):
+    """A weight update failed; the previous weights and version are still served."""
+
+log = logging.getLogger(__name__)
+
+# A follower waits for the leader's next command as long as the server is idle.
+_IDLE_FOREVER = timedelta(days=365)
+
+
+def serving_layout(arch: ModelShape, world_size: int, tp: int = 1, ep: int = 1) -> ParallelLayout:
+    """The server's layout on `world_size` ranks: `tp` x `ep`, the rest data parallel.
+
+    Checked by the trainer's rules, then built without sequence parallelism: a decode
+    step holds one token per row, which cannot be split over TP ranks (Megatron's MoE
+    layers then take every token on each TP rank, as its own inference does)."""
+    if world_size % tp:
+        raise LayoutError(f"rollout.tp: {world_size} server ranks cannot hold tp={tp}; start "
+                          "a multiple of tp ranks per server")
+    layout = ParallelLayout.for_world(world_size, tp=tp, ep=ep)
+    layout.check(arch, world_size)
+    layout.sequence_parallel = False
+    return layout
+
+
+@dataclass(frozen=True)
+class Command:
+    """What the leader sends before it runs something on the model."""
+
+    kind: Literal["generate", "load", "stop"]
+    requests: tuple[GenerationRequest, ...] = ()  # generate: seeds filled in
+    path: str = ""  # load: a published weights directory
+    version: int = 0
+
+
+class RolloutRanks:
+    """The server's ranks and the leader's channel to them (every rank makes one)."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo", timeout=_IDLE_FOREVER)
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def send(self, command: Command) -> None:
+        """Leader: hand `command` to every follower."""
+        if self.size > 1:
+            dist.broadcast_object_list([command], group=self.group, group_src=0)
+
+    def stop(self) -> None:
+        """Leader, shutting down: tell the followers, unless a signal ended them first."""
+        try:
+            self.send(Command("stop"))
+        except RuntimeError as exc:
+            log.info("rollout ranks already stopped (%s)", exc)
+
+    def receive(self) -> Command:
+        """Follower: the leader's next command (waits while the server is idle)."""
+        box: list[Command | None] = [None]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        assert box[0] is not None
+        return box[0]
+
+    def agree_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The leader's sampled tokens [k], on every rank."""
+        if self.size == 1:
+            return tokens
+        host = tokens.to("cpu", torch.long).contiguous()
+        dist.broadcast(host, group=self.group, group_src=0)
+        return host.to(tokens.device)
+
+    def all_ok(self, ok: bool) -> bool:
+        """True on every rank when `ok` is true on every rank."""
+        if self.size == 1:
+            return ok
+        flag = torch.tensor([int(ok)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+
+def follow(engine: MegatronEngine, ranks: RolloutRanks) -> None:
+    """A follower's life: run the leader's commands until it says stop.
+
+    A follower that fails cannot answer the leader's next collective, so it ends the
+    job (torchrun then stops every rank) instead of leaving the leader waiting. A
+    stop signal (torchrun passes one to every rank) ends it at once: it holds nothing
+    that is not on disk."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    try:
+        while True:
+            command = ranks.receive()
+            if command.kind == "stop":
+                return
+            if command.kind == "generate":
+                engine.run_batch(list(command.requests))
+                continue
+            try:
+                engine.load_on_every_rank(command.path, command.version)
+            except WeightLoadError as exc:  # every rank kept the old weights
+                log.warning("%s", exc)
+    except Exception:
+        log.exception("rollout rank %d failed; ending the server", ranks.rank)
+        os._exit(1)

@@ -1,0 +1,131 @@
+"""The rollout server across ranks: `moerl serve rollout --tp/--ep` under torchrun
+(gloo, 2 ranks) against the one-process server, both over HTTP, from the same
+published weights.
+
+Greedy completions must be the same tokens and their logprobs within 1e-5; seeded
+sampled completions the same tokens; a weight update must reach every rank (the
+answers after it equal the one-process server's after the same update) and a
+broken update must leave every rank on the old version.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from moerl.rendezvous import discover, wait_healthy
+from moerl.rollout.client import RolloutClient
+from moerl.rollout.types import Sample, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from worker_launch import SRC, worker_env
+
+TOLERANCE = 1e-5
+PROMPTS = [list(b"def add(a, b):\n    return"), list(b"Return n times 3."), list(b"x = 1\ny =")]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+SAMPLED = SamplingParams(max_tokens=16, temperature=1.0, seed=7)
+LAYOUTS = {"tp2": ["--tp", "2"], "ep2": ["--ep", "2"], "tp2_ep2": ["--tp", "2", "--ep", "2"]}
+
+
+def _publish(model_seed: int, directory: Path) -> Path:
+    """The tiny model from `model_seed`, saved as the trainer publishes weights."""
+    code = (
+        "import sys; from moerl.models.arch import TINY; from moerl.models.build import "
+        "build_model; from moerl.models.weights import save_weights; from moerl.parallel."
+        "groups import init_parallel; from moerl.parallel.layout import ParallelLayout; "
+        f"init_parallel(ParallelLayout(), seed={model_seed}); "
+        "save_weights(build_model(TINY, ParallelLayout()), sys.argv[1])"
+    )
+    subprocess.run([sys.executable, "-c", code, str(directory)], env=worker_env(), check=True,
+                   capture_output=True, timeout=300)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("rollout_ranks")
+    return _publish(1, root / "v0"), _publish(2, root / "v1")
+
+
+@contextmanager
+def _server(tmp: Path, ranks: int, flags: list[str], weights: Path) -> Iterator[RolloutClient]:
+    rendezvous = tmp / f"rendezvous-{len(list(tmp.iterdir()))}"
+    serve = ["-m", "moerl.launchers.cli", "serve", "rollout", "--port", "0", "--backend",
+             "static", "--weights", str(weights), "--rendezvous-dir", str(rendezvous), *flags]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc-per-node={ranks}"] if ranks > 1 else [sys.executable])
+    env = {**worker_env(), "PYTHONPATH": str(SRC)}
+    log = open(tmp / f"{rendezvous.name}.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([*launcher, *serve], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+    def alive() -> None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}:\n"
+                               + (tmp / f"{rendezvous.name}.log").read_text()[-3000:])
+
+    try:
+        (url,) = discover(rendezvous, "rollout", 1, timeout=240, check=alive)
+        wait_healthy(url, timeout=60, check=alive)
+        client = RolloutClient([f"http://{url}"])
+        yield client
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        # Every rank ends on SIGTERM (torchrun passes it on, then exits 1 itself).
+        code = proc.wait(timeout=60)
+        expected = (1,) if ranks > 1 else (0, -signal.SIGTERM)
+        assert code in expected, (tmp / f"{rendezvous.name}.log").read_text()[-3000:]
+        with pytest.raises(ProcessLookupError):  # no rank outlived the server
+            os.killpg(proc.pid, 0)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def _answers(client: RolloutClient, weights_v1: Path) -> dict[str, list[list[Sample]]]:
+    out = {"greedy": client.generate(PROMPTS, 1, GREEDY),
+           "sampled": client.generate(PROMPTS, 2, SAMPLED)}
+    client.update_weights(weights_v1, 1)
+    out["greedy_v1"] = client.generate(PROMPTS, 1, GREEDY)
+    with pytest.raises(Exception, match="not a complete weights checkpoint"):
+        client.update_weights(weights_v1.parent / "missing", 2)
+    out["after_refused"] = client.generate(PROMPTS, 1, GREEDY)
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(weights: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+           ) -> dict[str, list[list[Sample]]]:
+    v0, v1 = weights
+    with _server(tmp_path_factory.mktemp("single"), 1, [], v0) as client:
+        return _answers(client, v1)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_server_across_ranks_answers_as_one_process(
+        layout: str, weights: tuple[Path, Path], single: dict[str, list[list[Sample]]],
+        tmp_path: Path) -> None:
+    v0, v1 = weights
+    with _server(tmp_path, 2, LAYOUTS[layout], v0) as client:
+        answers = _answers(client, v1)
+    for key, groups in single.items():
+        for mine, theirs in zip(answers[key], groups, strict=True):
+            for a, b in zip(mine, theirs, strict=True):
+                assert a.token_ids == b.token_ids, (layout, key)
+                assert a.weight_version == b.weight_version, (layout, key)
+                torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+                                           atol=TOLERANCE, rtol=0, msg=f"{layout} {key}")
+    assert [s.weight_version for (s,) in answers["greedy_v1"]] == [1, 1, 1]
+    # v1 is another model: its answers differ from v0's
+    assert [s.token_ids for (s,) in answers["greedy_v1"]] != [
+        s.token_ids for (s,) in answers["greedy"]]
