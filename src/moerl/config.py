@@ -204,6 +204,11 @@ class RunConfig:
                 f"tokenizer: rollout.engine={self.rollout.engine} serves "
                 "rollout.hf_model_dir with its own tokenizer, so the trainer must encode with "
                 "it too: set tokenizer=hf tokenizer.path=<the model's directory>")
+        if self.rl.weight_sync == "memory" and self.rollout.engine != "moerl":
+            raise ConfigError(
+                f"rl.weight_sync=memory: streams to moerl rollout servers only; "
+                f"rollout.engine={self.rollout.engine} loads exported checkpoints, so set "
+                "rl.weight_sync=disk")
         if self.rl.sampling.max_tokens + self.data.max_prompt_tokens > (
                 self.model.max_position_embeddings):
             raise ConfigError(

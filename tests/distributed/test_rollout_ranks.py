@@ -10,23 +10,17 @@ broken update must leave every rank on the old version.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
-from moerl.rendezvous import discover, wait_healthy
 from moerl.rollout.client import RolloutClient
 from moerl.rollout.types import Sample, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
-from worker_launch import SRC, worker_env
+from rollout_servers import publish, rollout_server
 
 TOLERANCE = 1e-5
 PROMPTS = [list(b"def add(a, b):\n    return"), list(b"Return n times 3."), list(b"x = 1\ny =")]
@@ -35,61 +29,10 @@ SAMPLED = SamplingParams(max_tokens=16, temperature=1.0, seed=7)
 LAYOUTS = {"tp2": ["--tp", "2"], "ep2": ["--ep", "2"], "tp2_ep2": ["--tp", "2", "--ep", "2"]}
 
 
-def _publish(model_seed: int, directory: Path) -> Path:
-    """The tiny model from `model_seed`, saved as the trainer publishes weights."""
-    code = (
-        "import sys; from moerl.models.arch import TINY; from moerl.models.build import "
-        "build_model; from moerl.models.weights import save_weights; from moerl.parallel."
-        "groups import init_parallel; from moerl.parallel.layout import ParallelLayout; "
-        f"init_parallel(ParallelLayout(), seed={model_seed}); "
-        "save_weights(build_model(TINY, ParallelLayout()), sys.argv[1])"
-    )
-    subprocess.run([sys.executable, "-c", code, str(directory)], env=worker_env(), check=True,
-                   capture_output=True, timeout=300)
-    return directory
-
-
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("rollout_ranks")
-    return _publish(1, root / "v0"), _publish(2, root / "v1")
-
-
-@contextmanager
-def _server(tmp: Path, ranks: int, flags: list[str], weights: Path) -> Iterator[RolloutClient]:
-    rendezvous = tmp / f"rendezvous-{len(list(tmp.iterdir()))}"
-    serve = ["-m", "moerl.launchers.cli", "serve", "rollout", "--port", "0", "--backend",
-             "static", "--weights", str(weights), "--rendezvous-dir", str(rendezvous), *flags]
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc-per-node={ranks}"] if ranks > 1 else [sys.executable])
-    env = {**worker_env(), "PYTHONPATH": str(SRC)}
-    log = open(tmp / f"{rendezvous.name}.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([*launcher, *serve], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-    def alive() -> None:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}:\n"
-                               + (tmp / f"{rendezvous.name}.log").read_text()[-3000:])
-
-    try:
-        (url,) = discover(rendezvous, "rollout", 1, timeout=240, check=alive)
-        wait_healthy(url, timeout=60, check=alive)
-        client = RolloutClient([f"http://{url}"])
-        yield client
-        client.close()
-        proc.send_signal(signal.SIGTERM)
-        # Every rank ends on SIGTERM (torchrun passes it on, then exits 1 itself).
-        code = proc.wait(timeout=60)
-        expected = (1,) if ranks > 1 else (0, -signal.SIGTERM)
-        assert code in expected, (tmp / f"{rendezvous.name}.log").read_text()[-3000:]
-        with pytest.raises(ProcessLookupError):  # no rank outlived the server
-            os.killpg(proc.pid, 0)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+    return publish(1, root / "v0"), publish(2, root / "v1")
 
 
 def _answers(client: RolloutClient, weights_v1: Path) -> dict[str, list[list[Sample]]]:
@@ -107,7 +50,7 @@ def _answers(client: RolloutClient, weights_v1: Path) -> dict[str, list[list[Sam
 def single(weights: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
            ) -> dict[str, list[list[Sample]]]:
     v0, v1 = weights
-    with _server(tmp_path_factory.mktemp("single"), 1, [], v0) as client:
+    with rollout_server(tmp_path_factory.mktemp("single"), 1, [], v0) as client:
         return _answers(client, v1)
 
 
@@ -116,7 +59,7 @@ def test_server_across_ranks_answers_as_one_process(
         layout: str, weights: tuple[Path, Path], single: dict[str, list[list[Sample]]],
         tmp_path: Path) -> None:
     v0, v1 = weights
-    with _server(tmp_path, 2, LAYOUTS[layout], v0) as client:
+    with rollout_server(tmp_path, 2, LAYOUTS[layout], v0) as client:
         answers = _answers(client, v1)
     for key, groups in single.items():
         for mine, theirs in zip(answers[key], groups, strict=True):

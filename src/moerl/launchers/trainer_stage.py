@@ -143,7 +143,9 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
     # moerl servers load Megatron weights; vllm/sglang an HF export of them.
     sync = build_weight_sync(cfg.rollout.engine, dirs.weights, ctl.engines if ctl else None,
                              keep=cfg.rl.keep_weight_versions,
-                             hf_model_dir=cfg.rollout.hf_model_dir, dtype=cfg.rollout.dtype)
+                             hf_model_dir=cfg.rollout.hf_model_dir, dtype=cfg.rollout.dtype,
+                             mode=cfg.rl.weight_sync, arch=policy.arch,
+                             bucket_mb=cfg.rl.weight_sync_bucket_mb)
     sync.push(policy, start)  # the servers start from the trainer's (resumed) weights
     on_step_end = ckpt.step_end_hook(policy, stop, cfg.rl.steps) if ckpt else None
     stopped = train(cfg.rl, policy, sync, ctl, start_step=start, on_step_end=on_step_end)

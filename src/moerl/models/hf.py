@@ -96,7 +96,7 @@ def _unwrap(chunk: torch.nn.Module) -> Any:
     return inner
 
 
-def _local_tensors(chunk: torch.nn.Module, arch: MoEArch) -> Iterator[tuple[str, torch.Tensor]]:
+def local_tensors(chunk: torch.nn.Module, arch: MoEArch) -> Iterator[tuple[str, torch.Tensor]]:
     """(global Megatron name, local tensor) for each weight of a chunk, same order on all ranks."""
     model = _unwrap(chunk)
     per_rank = arch.num_experts // ps.get_expert_model_parallel_world_size()
@@ -133,7 +133,7 @@ def _is_glu(name: str) -> bool:
     return name.endswith("linear_fc1.weight")
 
 
-def _shard(name: str, full: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+def shard(name: str, full: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     size, rank, _ = _tp_split(name, local)
     if size == 1:
         return full
@@ -162,12 +162,12 @@ def load_hf_into(chunks: list[torch.nn.Module], arch: MoEArch, ckpt: HFCheckpoin
     interleave = bool(ckpt.config.get("rope_interleave", True))
     with torch.no_grad():
         for chunk in chunks:
-            for name, local in _local_tensors(chunk, arch):
+            for name, local in local_tensors(chunk, arch):
                 if name not in by_name:
                     raise HFError(f"Megatron tensor {name} has no HF counterpart; build the "
                                   "model with qk_layernorm=True for the DeepSeek-V3 family")
                 full = to_megatron(by_name[name], ckpt, arch, interleave)
-                part = _shard(name, full, local)
+                part = shard(name, full, local)
                 if part.shape != local.shape:
                     raise HFError(f"{name}: HF gives {tuple(part.shape)} for this rank, the "
                                   f"model holds {tuple(local.shape)}")
@@ -194,7 +194,7 @@ def gather_megatron(chunks: list[torch.nn.Module], arch: MoEArch) -> dict[str, t
     dense_writer = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     expert_writer = ps.get_expert_data_parallel_rank() == 0
     for chunk in chunks:
-        for name, local in _local_tensors(chunk, arch):
+        for name, local in local_tensors(chunk, arch):
             full = _unshard(name, local)  # collective over the tp group: every rank calls it
             expert = ".experts.local_experts." in name
             _, rank, _ = _tp_split(name, local)

@@ -103,6 +103,11 @@ class RLConfig:
     eval_interval: int = 10  # steps between held-out evaluations (0: only first and last)
     eval_temperature: float = 0.0  # greedy
     keep_weight_versions: int = 2  # published weight dirs kept on disk
+    # How each new version reaches moerl rollout servers: `disk` (published, then
+    # loaded by every server) or `memory` (streamed over a process group the servers
+    # join; the first version and any failed stream still go through disk).
+    weight_sync: Literal["disk", "memory"] = "disk"
+    weight_sync_bucket_mb: int = 64  # memory: bytes per broadcast
     # Keep training the MoE balance loss and the MTP head (DeepSeek-V3's MTP objective)
     # alongside the policy, e.g. so MTP drafts stay accepted by a moving policy.
     aux_losses: bool = False
@@ -124,6 +129,8 @@ class RLConfig:
                 "rl.max_staleness=0 with rl.mode=async: a batch collected while the previous "
                 "step trains is one weight version old, so every sample would be dropped; "
                 "set rl.max_staleness>=1, or rl.mode=sync for on-policy steps")
+        if self.weight_sync_bucket_mb < 1:
+            raise ValueError("rl.weight_sync_bucket_mb: must be >= 1")
         if self.overlong_buffer >= self.sampling.max_tokens and self.overlong_buffer:
             raise ValueError("rl.overlong_buffer: must be smaller than rl.sampling.max_tokens")
         if self.task_source == "agent":

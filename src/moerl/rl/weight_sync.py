@@ -15,10 +15,10 @@ Two filesystem strategies, chosen from `rollout.engine` by `build_weight_sync`:
 `engines` is given on the controller only, which is global rank 0 (the rank that
 writes the HF export); every trainer rank calls `push`.
 
-Room for an NCCL path (not implemented): `WeightBroadcast` below is the interface
-a GPU-cluster sync would fill, streaming tensors to engines that joined a process
-group instead of writing files; docs/architecture.md ("Weight sync") maps it onto
-the engines' endpoints.
+`rl.weight_sync=memory` streams each version to moerl servers over a process group
+instead (`rl.weight_stream`). `WeightBroadcast` below is the interface the same for
+vLLM and SGLang would fill (their distributed update endpoints; not implemented);
+docs/architecture.md ("Weight sync") maps it onto the engines' endpoints.
 """
 
 from __future__ import annotations
@@ -168,10 +168,24 @@ def export_dtype(name: str) -> torch.dtype | None:
 
 
 def build_weight_sync(engine: str, root: Path, engines: RolloutClient | None, *, keep: int = 2,
-                      hf_model_dir: str | None = None, dtype: str = "auto") -> WeightSync:
-    """The strategy `rollout.engine` needs: Megatron weights for moerl, an HF export then
-    the engine's update call for vllm and sglang."""
+                      hf_model_dir: str | None = None, dtype: str = "auto",
+                      mode: str = "disk", arch: MoEArch | None = None,
+                      bucket_mb: int = 64) -> WeightSync:
+    """The strategy `rollout.engine` and `rl.weight_sync` need: Megatron weights for
+    moerl (published, or streamed over a process group with `mode="memory"`), an HF
+    export then the engine's update call for vllm and sglang."""
+    if mode not in ("disk", "memory"):
+        raise ValueError(f"rl.weight_sync: {mode!r}; choose disk or memory")
     if check_engine(engine) == "moerl":
+        if mode == "memory":
+            from moerl.rl.weight_stream import MemoryWeightSync
+
+            assert arch is not None, "rl.weight_sync=memory needs the architecture"
+            return MemoryWeightSync(root, engines, arch, keep=keep, bucket_bytes=bucket_mb << 20)
         return FilesystemWeightSync(root, engines, keep)
+    if mode == "memory":
+        raise ValueError(f"rl.weight_sync=memory: streams to moerl rollout servers only; "
+                         f"rollout.engine={engine} loads exported checkpoints, so set "
+                         "rl.weight_sync=disk")
     return HFExportWeightSync(root, engines, keep, served_dir=hf_model_dir,
                               dtype=export_dtype(dtype))

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,9 +38,10 @@ class _Generate:
 
 @dataclass
 class _Update:
-    path: Path
+    path: Path | str  # a published directory, or what `action` loads
     version: int
     future: Future[int] = field(default_factory=Future)
+    action: Callable[[], None] | None = None  # loads the version (None: from `path`)
 
 
 class BatchScheduler:
@@ -68,8 +70,11 @@ class BatchScheduler:
         self._put(job)
         return job.future
 
-    def submit_update(self, path: str | Path, version: int) -> Future[int]:
-        job = _Update(Path(path), version)
+    def submit_update(self, path: str | Path, version: int,
+                      action: Callable[[], None] | None = None) -> Future[int]:
+        """Load `version` alone on the engine: from directory `path`, or by `action`
+        (then `path` only names the source in logs)."""
+        job = _Update(path if action is not None else Path(path), version, action=action)
         with self._wake:
             if self.pending_update is None:
                 self.pending_update = (version, time.monotonic())
@@ -137,7 +142,10 @@ class BatchScheduler:
         if not job.future.set_running_or_notify_cancel():
             return
         try:
-            self.engine.load_weights(job.path, job.version)
+            if job.action is not None:
+                job.action()
+            else:
+                self.engine.load_weights(job.path, job.version)
             job.future.set_result(job.version)
         except Exception as exc:
             log.exception("weight update to version %d from %s failed", job.version, job.path)

@@ -34,6 +34,7 @@ from moerl.rollout.speculative.config import SpeculativeConfig
 from moerl.rollout.speculative_decode import SpeculativeDecoder
 from moerl.rollout.static_decode import DecodeRow, StaticDecoder
 from moerl.rollout.types import GenerationRequest, LogprobMode, RequestError, Sample
+from moerl.rollout.weight_group import GroupSpec, Manifest, WeightGroup, open_group, receive
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,10 @@ class MegatronEngine:
     def __init__(self, model: GPTModel, tokenizer: Tokenizer, max_sequence_length: int,
                  options: EngineOptions | None = None, weight_version: int = 0,
                  weights_path: str | Path | None = None,
-                 ranks: RolloutRanks | None = None) -> None:
+                 ranks: RolloutRanks | None = None, arch: MoEArch | None = None) -> None:
         self.model = model
+        self.arch = arch  # needed by updates over a weight group (global tensor names)
+        self._weight_group: WeightGroup | None = None
         self.ranks = ranks if ranks is not None and ranks.size > 1 else None
         self.tokenizer = tokenizer
         self.max_sequence_length = max_sequence_length
@@ -225,6 +228,60 @@ class MegatronEngine:
         self._weights_path, self._version = path, version
         self.model.eval()
 
+    def join_weight_group(self, spec: GroupSpec) -> None:
+        """Join the trainer's weight group (`rollout.weight_group`), every rank of the
+        server at once; returns when the whole group has joined."""
+        with self.lock:
+            if self.ranks is not None:
+                self.ranks.send(Command("join", group=spec))
+            self.join_on_every_rank(spec)
+
+    def join_on_every_rank(self, spec: GroupSpec) -> None:
+        rank = spec.rank_offset + (self.ranks.rank if self.ranks is not None else 0)
+        self._weight_group = open_group(spec, rank)
+
+    def receive_weights(self, manifest: Manifest) -> None:
+        """Take version `manifest.version` from the weight group: every tensor arrives
+        before any parameter changes, so a failure leaves the old version whole."""
+        if self._weight_group is None:
+            raise WeightLoadError("no weight group joined (POST /init_weights_update_group "
+                                  "first)")
+        if self.arch is None:
+            raise WeightLoadError("this engine was built without its architecture; updates "
+                                  "over a weight group need it")
+        with self.lock:
+            if self.ranks is not None:
+                self.ranks.send(Command("receive", manifest=manifest))
+            self.receive_on_every_rank(manifest)
+
+    def receive_on_every_rank(self, manifest: Manifest) -> None:
+        from moerl.models.hf import local_tensors, shard
+
+        assert self._weight_group is not None and self.arch is not None
+        device = next(self.model.parameters()).device
+        full = receive(self._weight_group, manifest, device)
+        plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+        problem = None
+        for name, local in local_tensors(self.model, self.arch):
+            part = shard(name, full[name], local) if name in full else None
+            if part is None or part.shape != local.shape:
+                problem = (f"version {manifest.version}: {name} was not sent" if part is None
+                           else f"version {manifest.version}: {name} arrived as "
+                                f"{tuple(part.shape)}, this rank holds {tuple(local.shape)}")
+                break
+            plan.append((local, part))
+        ok = problem is None
+        if self.ranks is not None:  # no rank moves unless every rank can
+            ok = self.ranks.all_ok(ok)
+        if not ok:
+            raise WeightLoadError(problem or f"version {manifest.version}: another rank "
+                                  "refused it")
+        with torch.no_grad():
+            for local, part in plan:
+                local.copy_(part)
+        self._weights_path, self._version = None, manifest.version
+        self.model.eval()
+
     def _restore(self, backup: dict[str, torch.Tensor] | None) -> None:
         from moerl.models.weights import load_weights
 
@@ -271,4 +328,4 @@ def build_engine(preset: str | MoEArch, tokenizer: Tokenizer, *,
     if weights is not None:
         load_weights([model], weights)
     return MegatronEngine(model, tokenizer, arch.max_position_embeddings, options,
-                          weights_path=weights, ranks=ranks)
+                          weights_path=weights, ranks=ranks, arch=arch)

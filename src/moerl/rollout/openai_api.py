@@ -53,6 +53,32 @@ class UpdateBody(BaseModel):
     version: int
 
 
+class GroupBody(BaseModel):
+    """`rollout.weight_group.GroupSpec`: how this server's ranks join the trainer's group."""
+
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "moerl-weights"
+    backend: str = "gloo"
+    timeout_s: float = Field(600.0, gt=0)
+
+
+class TensorBody(BaseModel):
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class ManifestBody(BaseModel):
+    """`rollout.weight_group.Manifest`: the version the group is about to broadcast."""
+
+    tensors: list[TensorBody]
+    version: int
+    bucket_bytes: int = Field(64 << 20, ge=1)
+
+
 def _prompts(body: CompletionBody, tokenizer: Tokenizer) -> list[list[int]]:
     raw = body.prompt
     items: list[Prompt]

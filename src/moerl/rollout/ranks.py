@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from moerl.parallel.layout import LayoutError, ModelShape, ParallelLayout
 from moerl.rollout.types import GenerationRequest
+from moerl.rollout.weight_group import GroupSpec, Manifest
 
 if TYPE_CHECKING:
     from moerl.rollout.engine import MegatronEngine
@@ -61,10 +62,12 @@ def serving_layout(arch: ModelShape, world_size: int, tp: int = 1, ep: int = 1) 
 class Command:
     """What the leader sends before it runs something on the model."""
 
-    kind: Literal["generate", "load", "stop"]
+    kind: Literal["generate", "load", "join", "receive", "stop"]
     requests: tuple[GenerationRequest, ...] = ()  # generate: seeds filled in
     path: str = ""  # load: a published weights directory
     version: int = 0
+    group: GroupSpec | None = None  # join: the trainer's weight group
+    manifest: Manifest | None = None  # receive: the version the group will broadcast
 
 
 class RolloutRanks:
@@ -130,11 +133,17 @@ def follow(engine: MegatronEngine, ranks: RolloutRanks) -> None:
                 return
             if command.kind == "generate":
                 engine.run_batch(list(command.requests))
-                continue
-            try:
-                engine.load_on_every_rank(command.path, command.version)
-            except WeightLoadError as exc:  # every rank kept the old weights
-                log.warning("%s", exc)
+            elif command.kind == "join":
+                assert command.group is not None
+                engine.join_on_every_rank(command.group)
+            elif command.kind == "receive":
+                assert command.manifest is not None
+                engine.receive_on_every_rank(command.manifest)
+            else:
+                try:
+                    engine.load_on_every_rank(command.path, command.version)
+                except WeightLoadError as exc:  # every rank kept the old weights
+                    log.warning("%s", exc)
     except Exception:
         log.exception("rollout rank %d failed; ending the server", ranks.rank)
         os._exit(1)

@@ -1,7 +1,9 @@
 """`moerl serve rollout`: the Megatron engine behind an OpenAI-compatible HTTP API.
 
 Endpoints: POST /v1/completions, GET /v1/models, GET /health, and
-POST /update_weights {"path": dir, "version": int}. A weight update runs alone on
+POST /update_weights {"path": dir, "version": int}, and the same over the trainer's
+weight group (`rollout.weight_group`): POST /init_weights_update_group, then POST
+/update_weights_from_distributed per version. A weight update runs alone on
 the engine (see `batching`); a request that has waited longer than
 `--update-wait` seconds behind an update is answered 503 with Retry-After and
 never from half-loaded weights. Every completion names its weight version.
@@ -35,10 +37,18 @@ from moerl.rendezvous import ENV_INDEX, ENV_RENDEZVOUS
 from moerl.rendezvous import announce as announce_endpoint
 from moerl.rollout.batching import BatchScheduler
 from moerl.rollout.engine import EngineBroken, EngineOptions, MegatronEngine, build_engine
-from moerl.rollout.openai_api import CompletionBody, UpdateBody, to_requests, to_response
+from moerl.rollout.openai_api import (
+    CompletionBody,
+    GroupBody,
+    ManifestBody,
+    UpdateBody,
+    to_requests,
+    to_response,
+)
 from moerl.rollout.ranks import follow
 from moerl.rollout.speculative.config import SPECULATIVE_MODES, SpeculativeConfig
 from moerl.rollout.types import LOGPROB_MODES, RequestError
+from moerl.rollout.weight_group import GroupSpec, Manifest, TensorSpec
 from moerl.typed_config import from_dict
 
 log = logging.getLogger(__name__)
@@ -110,23 +120,50 @@ def create_app(state: ServerState) -> FastAPI:
         if state.engine.broken:
             return _error(503, state.engine.broken, "engine_unavailable")
         pending = state.scheduler.pending_update
+        ranks = state.engine.ranks.size if state.engine.ranks is not None else 1
         return {"status": "ok", "weight_version": state.engine.weight_version,
-                "updating_to": pending[0] if pending else None, "backend": state.engine.backend}
+                "updating_to": pending[0] if pending else None, "backend": state.engine.backend,
+                "ranks": ranks}
+
+    @app.post("/init_weights_update_group", response_model=None)
+    async def init_weight_group(body: GroupBody) -> dict[str, Any] | JSONResponse:
+        spec = GroupSpec(**body.model_dump())
+        future = state.scheduler.submit_update(
+            "weight group", state.engine.weight_version,
+            action=lambda: state.engine.join_weight_group(spec))
+        try:
+            await asyncio.wrap_future(future)
+        except Exception as exc:
+            return _error(500, f"joining the weight group failed: {exc}", "join_failed")
+        return {"success": True, "weight_version": state.engine.weight_version}
+
+    @app.post("/update_weights_from_distributed", response_model=None)
+    async def update_from_group(body: ManifestBody) -> dict[str, Any] | JSONResponse:
+        manifest = Manifest(tuple(TensorSpec(t.name, t.dtype, tuple(t.shape))
+                                  for t in body.tensors), body.version, body.bucket_bytes)
+        future = state.scheduler.submit_update(
+            "weight group", body.version, action=lambda: state.engine.receive_weights(manifest))
+        return await _updated(state, future)
 
     @app.post("/update_weights", response_model=None)
     async def update_weights(body: UpdateBody) -> dict[str, Any] | JSONResponse:
         future = state.scheduler.submit_update(body.path, body.version)
-        try:
-            version = await asyncio.wrap_future(future)
-        except FileNotFoundError as exc:
-            return _error(400, str(exc), "invalid_request_error")
-        except Exception as exc:
-            status = 503 if state.engine.broken else 500
-            return _error(status, f"weight update failed, still serving version "
-                          f"{state.engine.weight_version}: {exc}", "update_failed")
-        return {"weight_version": version}
+        return await _updated(state, future)
 
     return app
+
+
+async def _updated(state: ServerState, future: Any) -> dict[str, Any] | JSONResponse:
+    """The reply to a weight update once it has run."""
+    try:
+        version = await asyncio.wrap_future(future)
+    except FileNotFoundError as exc:
+        return _error(400, str(exc), "invalid_request_error")
+    except Exception as exc:
+        status = 503 if state.engine.broken else 500
+        return _error(status, f"weight update failed, still serving version "
+                      f"{state.engine.weight_version}: {exc}", "update_failed")
+    return {"weight_version": version}
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
