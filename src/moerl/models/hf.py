@@ -143,10 +143,10 @@ def shard(name: str, full: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return full.chunk(size, dim)[rank]
 
 
-def _unshard(name: str, local: torch.Tensor) -> torch.Tensor:
+def _unshard(name: str, local: torch.Tensor, copy: bool = True) -> torch.Tensor:
     size, _, group = _tp_split(name, local)
     if size == 1:
-        return local.detach().clone()
+        return local.detach().clone() if copy else local.detach()
     parts = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(parts, local.detach().contiguous(), group=group)
     dim = int(local.partition_dim)  # type: ignore[attr-defined]
@@ -188,14 +188,17 @@ def import_hf(hf_dir: str | Path, layout: ParallelLayout, **build: Any) -> tuple
     return arch, chunks
 
 
-def gather_megatron(chunks: list[torch.nn.Module], arch: MoEArch) -> dict[str, torch.Tensor]:
-    """The whole Megatron state dict (global names) on rank 0; {} on other ranks."""
+def gather_megatron(chunks: list[torch.nn.Module], arch: MoEArch,
+                    copy: bool = True) -> dict[str, torch.Tensor]:
+    """The whole Megatron state dict (global names) on rank 0; {} on other ranks.
+    `copy=False`: tensors this rank holds whole come back as views of its weights
+    (for a caller that only reads them before the weights change)."""
     mine: dict[str, torch.Tensor] = {}
     dense_writer = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     expert_writer = ps.get_expert_data_parallel_rank() == 0
     for chunk in chunks:
         for name, local in local_tensors(chunk, arch):
-            full = _unshard(name, local)  # collective over the tp group: every rank calls it
+            full = _unshard(name, local, copy)  # collective over the tp group: every rank calls it
             expert = ".experts.local_experts." in name
             _, rank, _ = _tp_split(name, local)
             if rank == 0 and (expert_writer if expert else dense_writer):

@@ -57,7 +57,9 @@ class MemoryWeightSync:
             return
         from moerl.models.hf import gather_megatron
 
-        full = gather_megatron(policy.chunks, self.arch)  # every trainer rank takes part
+        # Every trainer rank takes part; views, not copies, of what rank 0 holds whole:
+        # the weights do not change until this push returns.
+        full = gather_megatron(policy.chunks, self.arch, copy=False)
         ok = self._stream(full, version) if self.engines is not None else True
         if not _agreed(ok):
             self.group = None  # formed again, with the servers then alive, next time

@@ -79,6 +79,10 @@ class MegatronEngine:
         self.model = model
         self.arch = arch  # needed by updates over a weight group (global tensor names)
         self._weight_group: WeightGroup | None = None
+        # Bucket buffers of streamed versions: those the weights are views of, and
+        # those of the version before, free to receive the next one into.
+        self._live_buffers: list[torch.Tensor] = []
+        self._spare_buffers: list[torch.Tensor] = []
         self.ranks = ranks if ranks is not None and ranks.size > 1 else None
         self.tokenizer = tokenizer
         self.max_sequence_length = max_sequence_length
@@ -259,7 +263,7 @@ class MegatronEngine:
 
         assert self._weight_group is not None and self.arch is not None
         device = next(self.model.parameters()).device
-        full = receive(self._weight_group, manifest, device)
+        full, buffers = receive(self._weight_group, manifest, device, self._spare_buffers)
         plan: list[tuple[torch.Tensor, torch.Tensor]] = []
         problem = None
         for name, local in local_tensors(self.model, self.arch):
@@ -276,9 +280,20 @@ class MegatronEngine:
         if not ok:
             raise WeightLoadError(problem or f"version {manifest.version}: another rank "
                                   "refused it")
+        swapped = False
         with torch.no_grad():
             for local, part in plan:
-                local.copy_(part)
+                # On CPU the received bytes become the weight; a GPU keeps its weights'
+                # addresses (the dynamic engine's CUDA graphs read them).
+                if part.device.type == "cpu" == local.device.type and part.dtype == local.dtype:
+                    local.data = part.contiguous()
+                    swapped = True
+                else:
+                    local.copy_(part)
+        if swapped:  # the weights are views of these buffers now; the last version's are free
+            self._spare_buffers, self._live_buffers = self._live_buffers, buffers
+        else:
+            self._spare_buffers = buffers
         self._weights_path, self._version = None, manifest.version
         self.model.eval()
 

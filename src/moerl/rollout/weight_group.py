@@ -116,19 +116,39 @@ def _broadcast(group: WeightGroup, buffer: torch.Tensor) -> None:
 
 def send(group: WeightGroup, manifest: Manifest, tensors: Sequence[torch.Tensor]) -> None:
     """Sender (group rank 0): broadcast `tensors` as `manifest` lists them."""
+    staging: torch.Tensor | None = None  # one buffer for every bucket of several tensors
     for index in buckets(manifest.tensors, manifest.bucket_bytes):
         parts = [tensors[i].detach().contiguous().reshape(-1).view(torch.uint8) for i in index]
-        _broadcast(group, torch.cat(parts) if len(parts) > 1 else parts[0].clone())
+        if len(parts) == 1:  # the root's buffer is only read: the tensor's own bytes
+            _broadcast(group, parts[0])
+            continue
+        size = sum(p.numel() for p in parts)
+        if staging is None or staging.numel() < size:
+            staging = torch.empty(max(size, manifest.bucket_bytes), dtype=torch.uint8,
+                                  device=parts[0].device)
+        torch.cat(parts, out=staging[:size])
+        _broadcast(group, staging[:size])
 
 
-def receive(group: WeightGroup, manifest: Manifest,
-            device: torch.device) -> dict[str, torch.Tensor]:
-    """Receiver: every tensor of `manifest`, by name."""
+def receive(group: WeightGroup, manifest: Manifest, device: torch.device,
+            reuse: Sequence[torch.Tensor] = ()) -> tuple[dict[str, torch.Tensor],
+                                                         list[torch.Tensor]]:
+    """Receiver: every tensor of `manifest` by name, and the bucket buffers they are
+    views of. `reuse`: buffers of an earlier version no longer in use, taken again where
+    a bucket has the same size (a fresh buffer's first touch halves the receive rate)."""
     out: dict[str, torch.Tensor] = {}
+    used: list[torch.Tensor] = []
+    spare = list(reuse)
     for index in buckets(manifest.tensors, manifest.bucket_bytes):
         specs = [manifest.tensors[i] for i in index]
-        buffer = torch.empty(sum(s.nbytes for s in specs), dtype=torch.uint8, device=device)
+        size = sum(s.nbytes for s in specs)
+        buffer = next((b for b in spare if b.numel() == size and b.device == device), None)
+        if buffer is None:
+            buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        else:
+            spare.remove(buffer)
         _broadcast(group, buffer)
+        used.append(buffer)
         start = 0
         for spec in specs:
             raw = buffer[start : start + spec.nbytes]
@@ -137,4 +157,4 @@ def receive(group: WeightGroup, manifest: Manifest,
                 raw = raw.clone()
             out[spec.name] = raw.view(dtype).reshape(spec.shape)
             start += spec.nbytes
-    return out
+    return out, used
