@@ -116,7 +116,8 @@ def measure(arch: MoEArch, pushes: int, tmp: Path) -> dict[str, float]:
         policy = Trained(arch, list(build_model(arch, ParallelLayout())))
         client = RolloutClient([url])
         disk = FilesystemWeightSync(tmp / f"disk-{arch.name}", client, keep=1)
-        memory = MemoryWeightSync(tmp / f"memory-{arch.name}", client, arch)
+        memory = MemoryWeightSync(FilesystemWeightSync(tmp / f"memory-{arch.name}", client,
+                                                       keep=1), client, arch)
         version = 0
         times: dict[str, list[float]] = {"disk": [], "memory": []}
         for way, sync in (("disk", disk), ("memory", memory)):

@@ -19,6 +19,7 @@ from moerl.models.weights import save_weights
 from moerl.parallel.groups import destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
 from moerl.rl.weight_stream import MemoryWeightSync
+from moerl.rl.weight_sync import FilesystemWeightSync
 from moerl.rollout.client import RolloutClient
 
 
@@ -44,7 +45,8 @@ def main() -> None:
     groups = init_parallel(layout, seed=3)
     policy = Trained(TINY, list(build_model(TINY, layout)))
     engines = RolloutClient(args.urls.split(",")) if groups.rank == 0 else None
-    sync = MemoryWeightSync(args.root, engines, TINY, bucket_bytes=1 << 20)
+    sync = MemoryWeightSync(FilesystemWeightSync(args.root, engines), engines, TINY,
+                            bucket_bytes=1 << 20)
     sync.push(policy, 1)
     with torch.no_grad():  # a new version: the same change on every replica
         for param in policy.chunks[0].parameters():

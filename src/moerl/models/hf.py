@@ -234,6 +234,21 @@ def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: Path) -> None:
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def hf_tensors(meg: dict[str, torch.Tensor], arch: MoEArch,
+               base_config: dict[str, Any] | None = None, dtype: torch.dtype | None = None,
+               ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The gathered Megatron tensors (`gather_megatron`) in Hugging Face names and
+    `dtype` (the router bias stays float32), and the config.json they go with."""
+    base = {k: v for k, v in (base_config or {}).items() if k != "quantization_config"}
+    config = hf_config_from_arch(arch, base)
+    tensors = megatron_to_hf(meg, arch, bool(config.get("rope_interleave", True)))
+    if dtype is not None:
+        tensors = {k: v if k.endswith("e_score_correction_bias") else v.to(dtype)
+                   for k, v in tensors.items()}
+    config["dtype"] = str(dtype or next(iter(meg.values())).dtype).removeprefix("torch.")
+    return tensors, config
+
+
 def export_hf(chunks: list[torch.nn.Module], arch: MoEArch, out_dir: str | Path, *,
               base_config: dict[str, Any] | None = None, dtype: torch.dtype | None = None) -> None:
     """Write the model as an HF checkpoint (rank 0 writes; every rank must call this).
@@ -246,13 +261,7 @@ def export_hf(chunks: list[torch.nn.Module], arch: MoEArch, out_dir: str | Path,
     if dist.is_initialized() and dist.get_rank() != 0:
         dist.barrier()
         return
-    base = {k: v for k, v in (base_config or {}).items() if k != "quantization_config"}
-    config = hf_config_from_arch(arch, base)
-    tensors = megatron_to_hf(meg, arch, bool(config.get("rope_interleave", True)))
-    if dtype is not None:
-        tensors = {k: v if k.endswith("e_score_correction_bias") else v.to(dtype)
-                   for k, v in tensors.items()}
-    config["dtype"] = str(dtype or next(iter(meg.values())).dtype).removeprefix("torch.")
+    tensors, config = hf_tensors(meg, arch, base_config, dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(tensors, out)

@@ -1,12 +1,16 @@
-"""`rl.weight_sync=memory`: each new version streamed from the trainer to the moerl
-rollout servers over a process group they join (`rollout.weight_group`).
+"""`rl.weight_sync=memory`: each new version streamed from the trainer to the rollout
+servers over a process group they join (`rollout.weight_group`).
 
 Every trainer rank takes part in gathering the policy to global rank 0 over tensor,
 expert and pipeline parallelism (`models.hf.gather_megatron`, Megatron names); rank 0
 announces the version to every server (`POST /update_weights_from_distributed`) and
-broadcasts it in buckets; each server rank keeps the slices its own layout holds, so
-the trainer's and the servers' layouts may differ. A server swaps versions only once
-the whole version has arrived, between two batches.
+broadcasts it. moerl servers take Megatron names in byte buckets, and each server rank
+keeps the slices its own layout holds, so the trainer's and the servers' layouts may
+differ; a server swaps versions only once the whole version has arrived, between two
+batches. SGLang servers take SGLang's protocol: Hugging Face names and dtypes
+(`models.hf.hf_tensors`, as the disk export writes them), one broadcast per tensor in
+the announced order, every rank of a server in the group (`rollout.tensor_parallel`
+of them).
 
 The first version (the start, or a resume) goes through the disk path, and so does any
 version whose stream fails (a server gone, a group that broke): the trainer ranks
@@ -21,7 +25,6 @@ import logging
 import os
 import socket
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,25 +33,45 @@ import torch.distributed as dist
 
 from moerl.models.arch import MoEArch
 from moerl.rendezvous import ENV_HOST
-from moerl.rl.weight_sync import FilesystemWeightSync, Publisher
+from moerl.rl.weight_sync import Publisher, WeightSync
 from moerl.rollout.client import RolloutClient
-from moerl.rollout.weight_group import GroupSpec, Manifest, WeightGroup, open_group, send, spec_of
+from moerl.rollout.weight_group import (
+    GroupSpec,
+    Manifest,
+    WeightGroup,
+    broadcast_each,
+    open_group,
+    send,
+    spec_of,
+)
 
 log = logging.getLogger(__name__)
 
 
 class MemoryWeightSync:
-    """Streams versions to `engines` (given on the controller, global rank 0 only)."""
+    """Streams versions to `engines` (given on the controller, global rank 0 only);
+    `disk`: the engine's disk strategy, for the first version and failed streams.
+    `engine`: the servers' protocol (moerl or sglang). `server_ranks`: ranks of each
+    server in the group (None: each moerl server says, in /health). `hf_config` and
+    `hf_dtype` (sglang): the served config.json and the dtype the weights go in."""
 
-    def __init__(self, root: Path, engines: RolloutClient | None, arch: MoEArch, *,
-                 keep: int = 2, bucket_bytes: int = 64 << 20, timeout_s: float = 600.0) -> None:
-        self.disk = FilesystemWeightSync(root, engines, keep)
+    def __init__(self, disk: WeightSync, engines: RolloutClient | None, arch: MoEArch, *,
+                 engine: str = "moerl", server_ranks: int | None = None,
+                 bucket_bytes: int = 64 << 20, timeout_s: float = 600.0,
+                 hf_config: dict[str, Any] | None = None,
+                 hf_dtype: torch.dtype | None = None) -> None:
+        if engine not in ("moerl", "sglang"):
+            raise ValueError(f"rl.weight_sync=memory: rollout.engine={engine} has no stream "
+                             "here; set rl.weight_sync=disk")
+        self.disk, self.engine, self.server_ranks = disk, engine, server_ranks
+        self.hf_config, self.hf_dtype = hf_config, hf_dtype
         self.engines, self.arch = engines, arch
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.group: WeightGroup | None = None
         self.pushed = 0  # versions pushed, either way
         self.streamed = 0  # of them, over the group
         self._names = (f"moerl-weights-{os.getpid()}-{n}" for n in itertools.count())
+        self._group_name = ""
 
     def push(self, policy: Publisher, version: int) -> None:
         self.pushed += 1
@@ -72,15 +95,20 @@ class MemoryWeightSync:
         try:
             if self.group is None:
                 self.group = self._join()
+            if self.engine == "sglang":
+                from moerl.models.hf import hf_tensors
+
+                full, _ = hf_tensors(full, self.arch, self.hf_config, self.hf_dtype)
             names = list(full)
             manifest = Manifest(tuple(spec_of(n, full[n]) for n in names), version,
                                 self.bucket_bytes)
-            body = {"tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
-                                for t in manifest.tensors],
-                    "version": version, "bucket_bytes": self.bucket_bytes}
             with ThreadPoolExecutor(len(self.engines.urls)) as pool:
-                replies = self._post_all(pool, "/update_weights_from_distributed", body)
-                send(self.group, manifest, [full[n] for n in names])
+                replies = self._post_all(pool, "/update_weights_from_distributed",
+                                         self._announcement(manifest))
+                if self.engine == "sglang":
+                    broadcast_each(self.group, [full[n] for n in names])
+                else:
+                    send(self.group, manifest, [full[n] for n in names])
                 _check(replies, f"version {version}")
         except Exception as exc:  # any failure: this version goes by disk
             log.warning("streaming weight version %d failed (%s); publishing it to disk",
@@ -89,19 +117,38 @@ class MemoryWeightSync:
         self.engines.weight_version = version
         return True
 
+    def _announcement(self, manifest: Manifest) -> dict[str, Any]:
+        """The update request's body in the servers' protocol."""
+        if self.engine == "sglang":
+            return {"names": [t.name for t in manifest.tensors],
+                    "dtypes": [t.dtype for t in manifest.tensors],
+                    "shapes": [list(t.shape) for t in manifest.tensors],
+                    "group_name": self._group_name, "flush_cache": True,
+                    "weight_version": str(manifest.version)}
+        return {"tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
+                            for t in manifest.tensors],
+                "version": manifest.version, "bucket_bytes": manifest.bucket_bytes}
+
     def _join(self) -> WeightGroup:
         """Form the group: this rank (0, the store's host) and every rank of every server."""
         assert self.engines is not None
-        with httpx.Client(timeout=30.0, trust_env=False) as http:
-            ranks = [int(http.get(f"{url}/health").json().get("ranks", 1))
-                     for url in self.engines.urls]
+        if self.server_ranks is not None:
+            ranks = [self.server_ranks] * len(self.engines.urls)
+        else:
+            with httpx.Client(timeout=30.0, trust_env=False) as http:
+                ranks = [int(http.get(f"{url}/health").json().get("ranks", 1))
+                         for url in self.engines.urls]
         host = os.environ.get(ENV_HOST, "127.0.0.1")
-        spec = GroupSpec(host, free_port(host), 1, 1 + sum(ranks), next(self._names),
+        self._group_name = next(self._names)
+        spec = GroupSpec(host, free_port(host), 1, 1 + sum(ranks), self._group_name,
                          "nccl" if torch.cuda.is_available() else "gloo", self.timeout_s)
         offsets = list(itertools.accumulate([1, *ranks[:-1]]))
+        body = dict(spec.__dict__)
+        if self.engine == "sglang":  # its request has no timeout field
+            body.pop("timeout_s")
         with ThreadPoolExecutor(len(self.engines.urls)) as pool:
             replies = [pool.submit(self._post, url, "/init_weights_update_group",
-                                   {**spec.__dict__, "rank_offset": offset})
+                                   {**body, "rank_offset": offset})
                        for url, offset in zip(self.engines.urls, offsets, strict=True)]
             group = open_group(spec, 0)
             _check(replies, "joining the weight group")

@@ -170,22 +170,30 @@ def export_dtype(name: str) -> torch.dtype | None:
 def build_weight_sync(engine: str, root: Path, engines: RolloutClient | None, *, keep: int = 2,
                       hf_model_dir: str | None = None, dtype: str = "auto",
                       mode: str = "disk", arch: MoEArch | None = None,
-                      bucket_mb: int = 64) -> WeightSync:
+                      bucket_mb: int = 64, server_ranks: int | None = None) -> WeightSync:
     """The strategy `rollout.engine` and `rl.weight_sync` need: Megatron weights for
-    moerl (published, or streamed over a process group with `mode="memory"`), an HF
-    export then the engine's update call for vllm and sglang."""
+    moerl, an HF export then the engine's update call for vllm and sglang; with
+    `mode="memory"` (moerl, sglang) each version after the first is streamed over a
+    process group instead (`server_ranks`: each server's ranks, None: they say)."""
     if mode not in ("disk", "memory"):
         raise ValueError(f"rl.weight_sync: {mode!r}; choose disk or memory")
-    if check_engine(engine) == "moerl":
-        if mode == "memory":
-            from moerl.rl.weight_stream import MemoryWeightSync
+    kind = check_engine(engine)
+    disk: WeightSync
+    if kind == "moerl":
+        disk = FilesystemWeightSync(root, engines, keep)
+    else:
+        disk = HFExportWeightSync(root, engines, keep, served_dir=hf_model_dir,
+                                  dtype=export_dtype(dtype))
+    if mode == "disk":
+        return disk
+    if kind == "vllm":
+        raise ValueError("rl.weight_sync=memory: vLLM's distributed update (a worker "
+                         "extension) is not implemented; set rl.weight_sync=disk")
+    from moerl.rl.weight_stream import MemoryWeightSync
 
-            assert arch is not None, "rl.weight_sync=memory needs the architecture"
-            return MemoryWeightSync(root, engines, arch, keep=keep, bucket_bytes=bucket_mb << 20)
-        return FilesystemWeightSync(root, engines, keep)
-    if mode == "memory":
-        raise ValueError(f"rl.weight_sync=memory: streams to moerl rollout servers only; "
-                         f"rollout.engine={engine} loads exported checkpoints, so set "
-                         "rl.weight_sync=disk")
-    return HFExportWeightSync(root, engines, keep, served_dir=hf_model_dir,
-                              dtype=export_dtype(dtype))
+    assert arch is not None, "rl.weight_sync=memory needs the architecture"
+    hf_config = disk.base_config if isinstance(disk, HFExportWeightSync) else None
+    return MemoryWeightSync(disk, engines, arch, engine=kind,
+                            server_ranks=None if kind == "moerl" else (server_ranks or 1),
+                            bucket_bytes=bucket_mb << 20, hf_config=hf_config,
+                            hf_dtype=export_dtype(dtype))

@@ -130,6 +130,12 @@ def send(group: WeightGroup, manifest: Manifest, tensors: Sequence[torch.Tensor]
         _broadcast(group, staging[:size])
 
 
+def broadcast_each(group: WeightGroup, tensors: Sequence[torch.Tensor]) -> None:
+    """Sender, SGLang's way: one broadcast per tensor, in order, in its own dtype."""
+    for tensor in tensors:
+        _broadcast(group, tensor.detach().contiguous())
+
+
 def receive(group: WeightGroup, manifest: Manifest, device: torch.device,
             reuse: Sequence[torch.Tensor] = ()) -> tuple[dict[str, torch.Tensor],
                                                          list[torch.Tensor]]:

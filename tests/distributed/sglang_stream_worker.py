@@ -1,0 +1,49 @@
+"""The trainer side of the SGLang weight stream test: one rank, the tiny model with
+the latent norms the Hugging Face layout has, versions 1 (the start: an HF export on
+disk) and 2 (streamed in SGLang's protocol) pushed to the server at `--url`; then the
+weights of version 2 exported to `--expect` for the test to compare with."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from weight_stream_worker import Trained
+
+from moerl.models.arch import TINY
+from moerl.models.build import build_model
+from moerl.models.hf import export_hf
+from moerl.parallel.groups import destroy_parallel, init_parallel
+from moerl.parallel.layout import ParallelLayout
+from moerl.rl.weight_sync import build_weight_sync
+from moerl.rollout.client import RolloutClient
+
+ARCH = TINY.replace(latent_norms=True, mtp_num_layers=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--root", required=True, type=Path)
+    parser.add_argument("--expect", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    init_parallel(ParallelLayout(), seed=5)
+    policy = Trained(ARCH, list(build_model(ARCH, ParallelLayout())))
+    engines = RolloutClient([args.url], engine="sglang")
+    sync = build_weight_sync("sglang", args.root, engines, mode="memory", arch=ARCH,
+                             dtype="bfloat16", server_ranks=1)
+    sync.push(policy, 1)
+    with torch.no_grad():
+        for param in policy.chunks[0].parameters():
+            param.mul_(1.01)
+    sync.push(policy, 2)
+    export_hf(policy.chunks, ARCH, args.expect, dtype=torch.bfloat16)
+    args.out.write_text(json.dumps({"streamed": getattr(sync, "streamed", 0)}))
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""`rl.weight_sync` choices: what each engine accepts, and what is refused at start-up
+with the field named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moerl.config import load_run_config
+from moerl.models.arch import TINY
+from moerl.rl.weight_stream import MemoryWeightSync
+from moerl.rl.weight_sync import FilesystemWeightSync, HFExportWeightSync, build_weight_sync
+from moerl.typed_config import ConfigError
+
+
+def test_memory_is_refused_for_vllm_and_accepted_for_moerl_and_sglang(tmp_path: Path) -> None:
+    hf = ["tokenizer=hf", f"tokenizer.path={tmp_path}", f"rollout.hf_model_dir={tmp_path}"]
+    with pytest.raises(ConfigError, match=r"rl\.weight_sync=memory.*rl\.weight_sync=disk"):
+        load_run_config(["rl.weight_sync=memory", "rollout.engine=vllm", *hf])
+    assert load_run_config(["rl.weight_sync=memory"]).rl.weight_sync == "memory"
+    with pytest.raises(ConfigError, match=r"rl\.weight_sync_bucket_mb"):
+        load_run_config(["rl.weight_sync_bucket_mb=0"])
+
+
+def test_each_engine_gets_its_disk_path_under_the_stream(tmp_path: Path) -> None:
+    moerl = build_weight_sync("moerl", tmp_path, None, mode="memory", arch=TINY)
+    assert isinstance(moerl, MemoryWeightSync) and moerl.engine == "moerl"
+    assert isinstance(moerl.disk, FilesystemWeightSync)
+    assert moerl.server_ranks is None  # moerl servers say how many ranks they have
+    sglang = build_weight_sync("sglang", tmp_path, None, mode="memory", arch=TINY,
+                               server_ranks=4)
+    assert isinstance(sglang, MemoryWeightSync) and isinstance(sglang.disk, HFExportWeightSync)
+    assert sglang.server_ranks == 4
+    assert isinstance(build_weight_sync("moerl", tmp_path, None), FilesystemWeightSync)
+    with pytest.raises(ValueError, match="vLLM"):
+        build_weight_sync("vllm", tmp_path, None, mode="memory", arch=TINY)
+    with pytest.raises(ValueError, match=r"rl\.weight_sync: 'nccl'"):
+        build_weight_sync("moerl", tmp_path, None, mode="nccl", arch=TINY)
