@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from moerl.agent.server_config import EnvironmentStageConfig
 from moerl.checkpoint.config import CheckpointConfig
 from moerl.data.prompts import DataConfig
 from moerl.data.tokenizer import TokenizerConfig
@@ -186,6 +187,7 @@ class RunConfig:
     rewards: RewardStageConfig
     logger: LoggerConfig
     launcher: LaunchConfig
+    environments: EnvironmentStageConfig = field(default_factory=EnvironmentStageConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # SLURM only
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)

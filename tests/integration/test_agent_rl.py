@@ -94,6 +94,8 @@ def test_rl_run_on_agent_tasks_through_the_stages(tmp_path: Path) -> None:
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     print(f"2 agent RL steps through the stages: {time.monotonic() - start:.0f}s")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # Every episode ran on the environment server (the trainer holds no sandbox).
+    assert "environment server: 4 sessions opened" in proc.stdout + proc.stderr
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/tokens" in r]
     assert [r["step"] for r in steps] == [0, 1]

@@ -249,6 +249,18 @@ class TerminalEnvironment:
         if old is not None:
             old.remove()
 
+    def saved(self) -> tuple[AgentTask, bytes] | None:
+        """The task and the last snapshot, for a replacement of this environment
+        (`resume`) after it crashed; None before the first snapshot."""
+        if self._task is None or self._snapshot is None:
+            return None
+        return self._task, self._snapshot
+
+    def resume(self, task: AgentTask, snapshot: bytes) -> bool:
+        """Take over another environment's episode at its last snapshot."""
+        self._task, self._snapshot = task, snapshot
+        return self.restore()
+
     # -- helpers ------------------------------------------------------------------------
 
     def _command_limits(self, timeout_s: Any) -> Limits:

@@ -120,6 +120,10 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
         from moerl.rewards.server import main as serve_reward
 
         return serve_reward(overrides)
+    if args.service == "env":
+        from moerl.agent.env_server import main as serve_env
+
+        return serve_env(overrides)
     from moerl.rollout.server import main as serve_rollout
 
     return serve_rollout(overrides)
@@ -173,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     hf.add_argument("direction", choices=["import", "export"])
     hf.set_defaults(handler=_hf)
     serve = sub.add_parser("serve", help="run a rollout or reward server")
-    serve.add_argument("service", choices=["reward", "rollout"])
+    serve.add_argument("service", choices=["reward", "rollout", "env"])
     serve.set_defaults(handler=_serve)
     evaluate = sub.add_parser("eval", help="evaluate a policy: `moerl eval agent --help`",
                               add_help=False)

@@ -12,7 +12,7 @@ import dataclasses
 import sys
 
 from moerl.config import ClusterConfig
-from moerl.launchers.slurm import SlurmConfig
+from moerl.launchers.slurm import DEFAULT_PORTS, SlurmConfig
 from moerl.launchers.stages import RunPlan
 
 
@@ -24,7 +24,8 @@ def slurm_config(
         stage: part
         for stage, part in (("trainer", cluster.trainer_partition),
                             ("rollout", cluster.rollout_partition),
-                            ("reward", cluster.reward_partition))
+                            ("reward", cluster.reward_partition),
+                            ("environment", cluster.reward_partition))  # CPU nodes too
         if part
     }  # fmt: skip
     torchrun = tuple(cluster.torchrun) or (python or sys.executable, "-m", "torch.distributed.run")
@@ -40,7 +41,8 @@ def slurm_config(
 
 def with_cluster_ports(plan: RunPlan, cluster: ClusterConfig) -> RunPlan:
     """The plan with the cluster's fixed server ports (free ports are a local-only idea)."""
-    ports = {"rollout": cluster.rollout_port, "reward": cluster.reward_port}
+    ports = {"rollout": cluster.rollout_port, "reward": cluster.reward_port,
+             "environment": DEFAULT_PORTS["environment"]}
     stages = tuple(
         dataclasses.replace(s, port_base=ports[s.name]) if s.is_server and not s.port_base else s
         for s in plan.stages

@@ -49,7 +49,8 @@ from moerl.launchers.slurm import (
 from moerl.launchers.stages import RunPlan, StageSpec
 from moerl.rendezvous import ENV_HOST, ENV_INDEX, ENV_PORT, ENV_RENDEZVOUS, ENV_STAGE
 
-NEMO_ORDER = ("reward", "rollout", "trainer")  # servers first: steps start in this order
+# Servers first: the steps start in this order.
+NEMO_ORDER = ("reward", "environment", "rollout", "trainer")
 
 
 def import_nemo_run() -> ModuleType:

@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moerl.agent.server_config import EnvironmentStageConfig
 from moerl.config import LaunchConfig
 from moerl.data.tokenizer import TokenizerConfig
 from moerl.launchers.stages import RunPlan, StageSpec
@@ -48,6 +49,7 @@ def build_run_plan(
     run_dir: Path, overrides: list[str], launch: LaunchConfig, rollout: RolloutStageConfig,
     rewards: RewardStageConfig, arch_file: Path, config_dir: Path | None = None,
     precision: PrecisionConfig | None = None, tokenizer: TokenizerConfig | None = None,
+    environments: EnvironmentStageConfig | None = None,
 ) -> RunPlan:
     """The three stages; the trainer gets the user's overrides plus the run directory.
 
@@ -105,8 +107,23 @@ def build_run_plan(
         cpus=rewards.cpus,
         binds_any_port=True,
     )
+    stages: tuple[StageSpec, ...] = (trainer, rollout_stage, reward_stage)
+    if environments is not None and environments.servers > 0:
+        stages += (StageSpec(
+            name="environment",
+            command=_cli(
+                launch, "serve", "env", "--host", "{host}", "--port", "{port}",
+                "--max-sessions", str(environments.max_sessions),
+                "--idle-timeout", str(environments.idle_timeout_s),
+                "--isolation", environments.isolation,
+            ),
+            replicas=environments.servers,
+            nodes=environments.nodes,
+            cpus=environments.cpus,
+            binds_any_port=True,
+        ),)
     return RunPlan(
-        stages=(trainer, rollout_stage, reward_stage),
+        stages=stages,
         rendezvous_dir=run_dir / "rendezvous",
         log_dir=run_dir / "logs",
     )

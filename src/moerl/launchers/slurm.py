@@ -31,8 +31,8 @@ from moerl.launchers.slurm_shell import FINISH, FUNCTIONS, PREAMBLE
 from moerl.launchers.stages import RunPlan, StageSpec
 from moerl.rendezvous import ENV_HOST, ENV_INDEX, ENV_PORT, ENV_STAGE, REQUEUE_EXIT_CODE
 
-DEFAULT_PORTS = {"rollout": 8000, "reward": 8100}
-_GROUP_ORDER = ("trainer", "rollout", "reward")
+DEFAULT_PORTS = {"rollout": 8000, "reward": 8100, "environment": 8200}
+_GROUP_ORDER = ("trainer", "rollout", "reward", "environment")
 _TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 _PLACEHOLDER_VARS = {"{host}": ENV_HOST, "{port}": ENV_PORT, "{index}": ENV_INDEX}
 

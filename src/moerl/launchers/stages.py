@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-StageName = Literal["trainer", "rollout", "reward"]
-STAGE_NAMES: tuple[StageName, ...] = ("trainer", "rollout", "reward")
+StageName = Literal["trainer", "rollout", "reward", "environment"]
+STAGE_NAMES: tuple[StageName, ...] = ("trainer", "rollout", "reward", "environment")
 
 PLACEHOLDERS = ("{host}", "{port}", "{index}")
 
@@ -103,5 +103,5 @@ class RunPlan:
     @property
     def servers(self) -> tuple[StageSpec, ...]:
         """Server stages in start order: rewards first, as rollouts may need them."""
-        order = {"reward": 0, "rollout": 1}
+        order = {"reward": 0, "environment": 1, "rollout": 2}
         return tuple(sorted((s for s in self.stages if s.is_server), key=lambda s: order[s.name]))

@@ -25,7 +25,7 @@ from moerl.models.features import resolve_precision
 from moerl.models.weights import save_weights
 from moerl.observability import MetricsLogger, read_metrics
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
-from moerl.rendezvous import ENV_RENDEZVOUS, request_requeue
+from moerl.rendezvous import ENV_RENDEZVOUS, read_endpoints, request_requeue
 from moerl.rewards.client import RewardClient, RewardClientConfig
 from moerl.rl.config import PolicyConfig
 from moerl.rl.loop import Controller, train
@@ -70,6 +70,21 @@ def _controller(cfg: RunConfig, root: Path, records: list[PromptRecord],
         stop_token_ids=tok.stop_ids,
         logger=MetricsLogger(cfg.logger, root, to_dict(cfg)),
     )
+
+
+def _environment_servers(cfg: RunConfig, root: Path) -> list[str]:
+    """The environment servers the launcher started (`environments.servers` of them);
+    none with `environments.servers=0`: the episodes then run in this process."""
+    if cfg.environments.servers == 0:
+        return []
+    rendezvous = Path(os.environ.get(ENV_RENDEZVOUS, root / "rendezvous"))
+    found = read_endpoints(rendezvous, "environment")
+    if len(found) < cfg.environments.servers:
+        raise RuntimeError(
+            f"environments.servers={cfg.environments.servers}, but {len(found)} environment "
+            f"servers announced themselves in {rendezvous}; start them (`moerl serve env`) "
+            "or set environments.servers=0 to run the episodes in the trainer")
+    return found[: cfg.environments.servers]
 
 
 def summary_table(metrics_file: Path) -> Table:
@@ -134,8 +149,9 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
         if cfg.rl.task_source == "agent":  # terminal episodes, not prompts
             from moerl.rl.agent_collect import build_agent_collector
 
-            ctl.collector = build_agent_collector(cfg.rl, cfg.model.max_position_embeddings,
-                                                  tok)
+            ctl.collector = build_agent_collector(
+                cfg.rl, cfg.model.max_position_embeddings, tok,
+                environment_servers=_environment_servers(cfg, dirs.root))
             ctl.held_out = []  # the held-out prompts are code tasks, not agent tasks
     if groups.rank == 0:  # versions an earlier attempt published are stale
         shutil.rmtree(dirs.weights, ignore_errors=True)

@@ -3,7 +3,8 @@
 Per round: pick `rl.prompts_per_step` tasks from the shipped suite (a seeded choice
 per step, so a resumed run picks the same ones), run each `rl.group_size` times
 through the agent scheduler against the rollout servers, with commands in the real
-sandbox, and score every episode with its task's verifier. An episode becomes one
+sandbox (on the environment servers, `moerl serve env`, or with `environments.servers=0`
+in this process), and score every episode with its task's verifier. An episode becomes one
 training sequence (trajectory.py): the prompt, then the model's tokens (loss mask 1,
 the engine's logprobs) interleaved with observations (loss mask 0). Advantages are
 computed per group of the same task, as for single-shot prompts. Infra failures are
@@ -20,7 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moerl.agent.environment import AgentTask
+from moerl.agent.environment import AgentTask, Environment
+from moerl.agent.remote import EnvironmentServers, RemoteEnvironment
 from moerl.agent.scheduler import AgentScheduler, SchedulerConfig
 from moerl.agent.suite import SuiteTask, select_tasks
 from moerl.agent.terminal import TerminalEnvironment
@@ -97,11 +99,14 @@ def episode_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
 class AgentCollector:
     """`collector(ctl, cfg, step) -> Batch`: the loop's collect over agent episodes."""
 
-    def __init__(self, tasks: Sequence[SuiteTask], sandbox: Sandbox, tokenizer: Tokenizer,
-                 config: AgentTasksConfig) -> None:  # fmt: skip
+    def __init__(self, tasks: Sequence[SuiteTask], sandbox: Sandbox | None, tokenizer: Tokenizer,
+                 config: AgentTasksConfig, servers: EnvironmentServers | None = None) -> None:
         if not tasks:
             raise ValueError("rl.agent: no tasks selected")
-        self.tasks, self.sandbox = list(tasks), sandbox
+        if (sandbox is None) == (servers is None):
+            raise ValueError("an agent collector runs episodes in a sandbox or on "
+                             "environment servers: give exactly one")
+        self.tasks, self.sandbox, self.servers = list(tasks), sandbox, servers
         self.tokenizer, self.config = tokenizer, config
         self.last_groups: list[list[Trajectory]] = []
         """The groups the last call trained on (for inspection and tests)."""
@@ -116,6 +121,11 @@ class AgentCollector:
             seed=seed, compact_tools=a.compact_tools,
         )  # fmt: skip
 
+    def _environment(self) -> Environment:
+        if self.servers is not None:
+            return RemoteEnvironment(self.servers)
+        return TerminalEnvironment(self.sandbox)
+
     def __call__(self, ctl: Controller, cfg: RLConfig, step: int) -> Batch:
         from moerl.rl.loop import Batch
 
@@ -124,7 +134,7 @@ class AgentCollector:
             seed = (cfg.seed * 100_003 + step) * 101 + round_
             tasks = pick_tasks(self.tasks, cfg.prompts_per_step, seed)
             episodes = [t for t in tasks for _ in range(cfg.group_size)]
-            env = lambda: TerminalEnvironment(self.sandbox)  # noqa: E731
+            env = self._environment
             scheduler = AgentScheduler(ctl.engines, env, self.tokenizer,
                                        self._scheduler_config(cfg, seed))
             with timer.phase("rollout"):
@@ -140,8 +150,10 @@ class AgentCollector:
 
 
 def build_agent_collector(cfg: RLConfig, max_positions: int, tokenizer: Tokenizer,
-                          sandbox: Sandbox | None = None) -> AgentCollector:  # fmt: skip
-    """The collector for `rl.task_source=agent`; limits that cannot fit the model fail
+                          sandbox: Sandbox | None = None,
+                          environment_servers: Sequence[str] = ()) -> AgentCollector:
+    """The collector for `rl.task_source=agent`, on `environment_servers` (URLs) if
+    any, else in a sandbox of this process; limits that cannot fit the model fail
     here, naming the field."""
     a = cfg.agent
     if a.max_episode_tokens > max_positions:
@@ -151,5 +163,7 @@ def build_agent_collector(cfg: RLConfig, max_positions: int, tokenizer: Tokenize
             "episodes; lower rl.agent.max_episode_tokens"
         )
     tasks = select_tasks(a.tasks, a.categories)
+    if environment_servers:
+        return AgentCollector(tasks, None, tokenizer, a, EnvironmentServers(environment_servers))
     return AgentCollector(tasks, sandbox or Sandbox(SandboxConfig(isolation=a.isolation)),
                           tokenizer, a)  # fmt: skip

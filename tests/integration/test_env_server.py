@@ -1,0 +1,108 @@
+"""`moerl serve env` as the trainer uses it, through `RemoteEnvironment`: episodes of
+shipped tasks scored on the server, sessions closed when idle, a full server refusing
+new sessions, and an environment that crashes recreated from its last snapshot."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from moerl.agent.remote import EnvironmentServers, RemoteEnvironment
+from moerl.agent.suite import select_tasks
+from moerl.agent.tools import ToolCall
+from moerl.rendezvous import discover, wait_healthy
+
+pytestmark = pytest.mark.sandbox
+ENVS = Path(__file__).with_name("envs")
+
+
+@contextmanager
+def env_server(tmp: Path, *flags: str) -> Iterator[str]:
+    rendezvous = tmp / f"rendezvous-{len(list(tmp.iterdir()))}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ENVS), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.Popen([sys.executable, "-m", "moerl.launchers.cli", "serve", "env",
+                             "--port", "0", "--rendezvous-dir", str(rendezvous), *flags],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def alive() -> None:
+        if proc.poll() is not None:
+            assert proc.stdout is not None
+            raise RuntimeError(f"env server exited {proc.returncode}: {proc.stdout.read()}")
+
+    try:
+        (url,) = discover(rendezvous, "environment", 1, timeout=120, check=alive)
+        wait_healthy(url, timeout=30, check=alive)
+        yield f"http://{url}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def _episode(servers: EnvironmentServers, task_id: str, calls: tuple[ToolCall, ...]
+             ) -> float | None:
+    (task,) = [t for t in select_tasks([task_id])]
+    env = RemoteEnvironment(servers)
+    try:
+        first = env.reset(task.task)
+        assert first.fault is None and "Files in /work" in first.text
+        assert [t.name for t in env.tools] == ["run", "write_file", "submit"]
+        for call in calls:
+            assert env.step(call).fault is None
+        return env.verify().reward
+    finally:
+        env.close()
+
+
+def test_episodes_run_and_are_scored_on_the_server(tmp_path: Path) -> None:
+    with env_server(tmp_path) as url:
+        servers = EnvironmentServers([url])
+        for task in select_tasks(["files-create-greeting", "logs-count-errors"]):
+            assert _episode(servers, task.id, task.solution) == 1.0
+            assert _episode(servers, task.id, task.wrong) == 0.0
+        health = httpx.get(f"{url}/health").json()
+        assert (health["opened"], health["sessions"]) == (4, 0)  # each closed after use
+
+
+def test_idle_sessions_close_and_a_full_server_refuses(tmp_path: Path) -> None:
+    with env_server(tmp_path, "--idle-timeout", "1", "--max-sessions", "1") as url:
+        servers = EnvironmentServers([url])
+        (task,) = select_tasks(["files-create-greeting"])
+        env = RemoteEnvironment(servers)
+        assert env.reset(task.task).fault is None
+        refused = RemoteEnvironment(servers).reset(task.task)
+        assert refused.fault is not None and "HTTP 429" in refused.fault
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{url}/health").json()["closed_idle"] < 1:
+            assert time.monotonic() < deadline, "the idle session was never closed"
+            time.sleep(0.2)
+        lost = env.step(ToolCall("run", {"command": "ls"}))
+        assert lost.fault is not None and "HTTP 404" in lost.fault  # an infra fault
+
+
+def test_a_crashed_environment_is_recreated_from_its_last_snapshot(tmp_path: Path) -> None:
+    with env_server(tmp_path) as url:
+        servers = EnvironmentServers([url], environment="crashing:CrashingTerminal")
+        (task,) = select_tasks(["files-create-greeting"])
+        env = RemoteEnvironment(servers)
+        assert env.reset(task.task).fault is None
+        assert env.step(ToolCall("write_file", {"path": "kept.txt", "content": "x"})).fault is None
+        assert env.snapshot()
+        assert env.step(ToolCall("write_file", {"path": "lost.txt", "content": "y"})).fault is None
+        crashed = env.step(ToolCall("run", {"command": "crash!"}))
+        assert crashed.fault is not None and "recreated" in crashed.fault
+        listing = env.step(ToolCall("run", {"command": "ls"}))
+        assert "kept.txt" in listing.text and "lost.txt" not in listing.text
+        assert httpx.get(f"{url}/health").json()["recreated"] == 1
+        env.close()
