@@ -24,6 +24,7 @@ class SlowLoadEngine(FakeEngine):
     max_sequence_length = 64
     backend = "fake"
     broken: str | None = None
+    ranks = None  # one process
 
     def check(self, request: GenerationRequest) -> None:
         pass
