@@ -149,7 +149,10 @@ class ClusterConfig:
     rollout_port: int = 8000
     """replica i of a stage listens on port + i; fixed, as servers on one node share it."""
     reward_port: int = 8100
+    environment_port: int = 8200
     master_port: int = 29500
+    rollout_master_port: int = 29600
+    """torchrun port of a rollout server across ranks (+ replica): its ranks' own group."""
     master_addr: str | None = None
     """None: the first trainer node by name; set it where node names do not resolve."""
     advertise_host: str | None = None
@@ -162,7 +165,8 @@ class ClusterConfig:
     """seconds between SIGTERM and SIGKILL when the job's steps are stopped."""
 
     def __post_init__(self) -> None:
-        for name in ("rollout_port", "reward_port", "master_port"):
+        for name in ("rollout_port", "reward_port", "environment_port", "master_port",
+                     "rollout_master_port"):
             if not 0 < getattr(self, name) < 65536:
                 raise ValueError(f"cluster.{name}: expected a port in 1..65535")
         # The SLURM script's own rules (launchers.slurm.SlurmConfig), at start-up

@@ -54,7 +54,12 @@ def die_with_parent_and_preload(parent_pid: int, sig: int, modules: Sequence[str
     def preload() -> None:
         time.sleep(0.5)  # let the helper start serving: the imports hold the GIL
         for name in modules:
-            importlib.import_module(name)
+            try:
+                importlib.import_module(name)
+            except RuntimeError:
+                # importlib's deadlock error: a request being served imports the same
+                # modules right now, and that import completes them.
+                return
 
     threading.Thread(target=preload, name="preload", daemon=True).start()
 

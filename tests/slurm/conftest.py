@@ -1,9 +1,12 @@
 """A real SLURM cluster on this machine for the `slurm` tests.
 
-One munged, one slurmctld and three `slurmd -N nX` fake nodes, all on 127.0.0.1,
-everything (config, state, spool, logs, sockets) in a temporary directory; n1 and
-n2 form partition `gpu` with four fake GPUs each (character devices, see
-../../../shared/LOCAL_SLURM.md for why plain files do not work), n3 forms `cpu`.
+One munged, one slurmctld and five `slurmd -N nX` fake nodes, all on 127.0.0.1,
+everything (config, state, spool, logs, sockets) in a temporary directory; n1, n2
+and n4 form partition `gpu` with four fake GPUs each (character devices, see
+../../../shared/LOCAL_SLURM.md for why plain files do not work), n3 and n5 form
+`cpu`: room for a trainer on two GPU nodes beside a rollout server on a third, and
+for reward and environment servers on nodes of their own (the components of a
+heterogeneous job do not share nodes).
 `slurm_cloud` adds a controller without any slurmd whose CLOUD nodes stand for a
 large H100 cluster, enough for `sbatch --test-only`.
 
@@ -25,8 +28,8 @@ from pathlib import Path
 import pytest
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
-NODES = {"n1": 4, "n2": 4, "n3": 0}  # node -> fake GPUs
-PARTITIONS = {"gpu": "n1,n2", "cpu": "n3"}
+NODES = {"n1": 4, "n2": 4, "n3": 0, "n4": 4, "n5": 0}  # node -> fake GPUs
+PARTITIONS = {"gpu": "n1,n2,n4", "cpu": "n3,n5"}
 
 
 @dataclass

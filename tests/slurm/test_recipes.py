@@ -1,16 +1,19 @@
-"""The shipped recipe scripts (slurm/*_h100.sbatch): in sync with their recipes and
-accepted by a SLURM controller declaring an H100 cluster of the recipes' size."""
+"""The shipped recipe scripts (slurm/*_h100.sbatch and the miniature's): in sync with
+their recipes, accepted by a SLURM controller declaring an H100 cluster of the recipes'
+size, and the miniature the same script as its recipe but for sizes."""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import re
 import subprocess
 
 import pytest
 
 from moerl.launchers import recipes, slurm
 
-STEMS = sorted(recipes.RECIPES)
+STEMS = sorted([*recipes.RECIPES, *recipes.MINIATURES])
 
 
 @pytest.mark.parametrize("stem", STEMS)
@@ -54,7 +57,7 @@ def test_trainer_and_rollout_run_the_plan_the_recipe_names(stem: str) -> None:
     from moerl.rollout.server import _parse
 
     recipe = recipes.load_recipe(recipes.REPO / "configs" / "experiment" / f"{stem}.yaml")
-    trainer, rollout, _ = recipes.run_plan(recipe, recipes.SHARED / "runs" / stem).stages
+    trainer, rollout, *_ = recipes.run_plan(recipe, recipes.SHARED / "runs" / stem).stages
     argv = list(trainer.command)
     overrides = [a for a in argv[argv.index("trainer") + 1:] if not a.startswith("run_dir=")]
     cfg = load_run_config(overrides)
@@ -76,3 +79,47 @@ def test_trainer_and_rollout_run_the_plan_the_recipe_names(stem: str) -> None:
     candidate = judge(cfg.model, cfg.parallel, run, ClusterSpec(nodes=recipe.trainer_nodes),
                       search, uneven)
     assert candidate.fits, candidate.reason
+
+
+def _shape(stem: str) -> list[str]:
+    """The rendered script with what may differ between a recipe and its miniature
+    taken out: names, the precision the site computes in, the pipeline's virtual
+    stages and uneven split (a toy model has neither), and every number."""
+    from moerl.config import load_run_config
+    from moerl.launchers.plan import rollout_precision_argv
+    from moerl.planning.run_fields import run_overrides
+
+    recipe = recipes.load_recipe(recipes.recipe_path(stem))
+    text = recipes.render_recipe(stem)
+    overrides = run_overrides(recipe.run)
+    precision = load_run_config(overrides).precision
+    for words in (" ".join(overrides), " ".join(rollout_precision_argv(precision))):
+        text = text.replace(words, "PRECISION")
+    for name in (recipes.script_name(stem), stem, recipe.model):
+        text = text.replace(name, "NAME")
+    text = re.sub(r" \S*parallel\.(vpp|stage_layers)=\S+", "", text)
+    return re.sub(r"\d+", "N", text).splitlines()
+
+
+@pytest.mark.parametrize("mini", sorted(recipes.MINIATURES))
+def test_miniature_differs_from_its_recipe_only_in_sizes(mini: str) -> None:
+    full = recipes.MINIATURES[mini]
+    ours, theirs = _shape(mini), _shape(full)
+    diff = "\n".join(difflib.unified_diff(theirs, ours, full, mini, lineterm=""))
+    assert ours == theirs, diff
+
+
+def test_engines_larger_than_a_node_span_whole_nodes() -> None:
+    """Kimi-K2's rollout engines of 32 GPUs (TP1, EP32): one torchrun across 4 nodes of
+    8 ranks each, 8 of them on the 32 rollout nodes; the trainer streams to them."""
+    recipe = recipes.load_recipe(recipes.recipe_path("kimi_k2_h100"))
+    _, rollout, *_ = recipes.run_plan(recipe, recipes.SHARED / "runs" / "k").stages
+    assert (rollout.replicas, rollout.nodes, rollout.span, rollout.ranks_per_node) == (
+        8, 32, 4, 8)
+    text = recipes.render_recipe("kimi_k2_h100")
+    (line,) = [x for x in text.splitlines() if "serve rollout" in x]
+    assert "REPLICA=$((SLURM_NODEID / 4))" in line and "--nnodes=4" in line
+    assert "--node-rank=$((SLURM_NODEID % 4)) --nproc-per-node=8" in line
+    assert "--tp 1 --ep 32 --backend static" in line
+    assert "rl.weight_sync=memory" in text and "rollout.expert_parallel=32" in text
+    assert "moerl_wait_announced rollout 8" in text

@@ -17,13 +17,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
+from job_watch import RunWatch, tail, trained_steps
 from tiny_rl_data import comment_tasks
 
 from moerl.checkpoint.store import complete_checkpoints, read_latest, step_name, step_of
@@ -122,60 +122,6 @@ RESUME_RUN = [
 ]  # fmt: skip
 
 
-def _tail(path: Path | None, chars: int = 3000) -> str:
-    if path is None or not path.is_file():
-        return f"<no {path}>"
-    return f"--- {path.name}:\n{path.read_text(errors='replace')[-chars:]}"
-
-
-def _metric_rows(run: Path) -> list[dict[str, Any]]:
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written right now
-            break
-    return rows
-
-
-def _trained_steps(run: Path) -> list[int]:
-    return [int(r["step"]) for r in _metric_rows(run) if "train/loss" in r]
-
-
-class _RunWatch:
-    """The submitted `moerl train launcher=slurm` and where its job writes."""
-
-    def __init__(self, run: Path, proc: subprocess.Popen[bytes], out: Path) -> None:
-        self.run, self.proc, self.out = run, proc, out
-        self.job: int | None = None
-
-    def batch_log(self) -> Path | None:
-        found = sorted((self.run / "logs").glob("slurm-*.out"))
-        return found[0] if found else None
-
-    def trainer_log(self) -> Path | None:
-        found = sorted((self.run / "logs").glob("trainer-*.log"))
-        return found[0] if found else None
-
-    def diagnostics(self, cluster: SlurmCluster) -> str:
-        state = cluster.run("scontrol", "show", "job", str(self.job), check=False).stdout
-        return "\n".join([
-            f"job {self.job}: {state[:2000]}", _tail(self.out, 2000), _tail(self.batch_log()),
-            _tail(self.trainer_log(), 4000), _tail(cluster.root / "slurmctld.log", 3000),
-        ])  # fmt: skip
-
-    def until(self, cond: Callable[[], bool], timeout: float, what: str,
-              cluster: SlurmCluster) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            if time.monotonic() > deadline:
-                pytest.fail(f"no {what} after {timeout:.0f} s\n{self.diagnostics(cluster)}")
-            time.sleep(0.5)
-
-
 @pytest.mark.timeout(1500)
 def test_usr1_checkpoints_requeues_and_resumes(
     slurm_cluster: SlurmCluster, tmp_path: Path
@@ -194,7 +140,7 @@ def test_usr1_checkpoints_requeues_and_resumes(
         proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-    watch = _RunWatch(run, proc, out)
+    watch = RunWatch(run, proc, out)
     started = time.monotonic()
     try:
         _signal_requeue_resume(watch, slurm_cluster)
@@ -211,7 +157,7 @@ def test_usr1_checkpoints_requeues_and_resumes(
         print(f"\nUSR1 -> requeue -> resume under SLURM: {time.monotonic() - started:.0f} s")
 
 
-def _signal_requeue_resume(watch: _RunWatch, cluster: SlurmCluster) -> None:
+def _signal_requeue_resume(watch: RunWatch, cluster: SlurmCluster) -> None:
     run, ckpts = watch.run, watch.run / "checkpoints"
 
     def job_started() -> bool:
@@ -220,7 +166,7 @@ def _signal_requeue_resume(watch: _RunWatch, cluster: SlurmCluster) -> None:
             watch.job = int(log.stem.split("-", 1)[1])
         elif watch.proc.poll() is not None:
             pytest.fail(f"moerl train ended ({watch.proc.returncode}) before the job ran\n"
-                        f"{_tail(watch.out)}")
+                        f"{tail(watch.out)}")
         return watch.job is not None
 
     watch.until(job_started, 120, "batch log (job not started)", cluster)
@@ -228,7 +174,7 @@ def _signal_requeue_resume(watch: _RunWatch, cluster: SlurmCluster) -> None:
     job = watch.job
     # At least one RL step done, and none saved yet (checkpoints only at the end
     # or on a signal), so the checkpoint found below is the signal's.
-    watch.until(lambda: bool(_trained_steps(run)), 600, "RL step finished", cluster)
+    watch.until(lambda: bool(trained_steps(run)), 600, "RL step finished", cluster)
     assert not complete_checkpoints(ckpts), "a checkpoint before any signal was sent"
     cluster.run("scancel", "--batch", "--signal=USR1", str(job))
 
@@ -239,7 +185,7 @@ def _signal_requeue_resume(watch: _RunWatch, cluster: SlurmCluster) -> None:
     assert saved is not None and complete == [saved], f"{complete}, latest {saved}\n{diag}"
     step = step_of(saved)
     assert step is not None and 1 <= step <= RESUME_STEPS, diag
-    assert _trained_steps(run) == list(range(step)), diag  # the step in progress finished
+    assert trained_steps(run) == list(range(step)), diag  # the step in progress finished
     state = json.loads((saved / "state.json").read_text())
     assert state["extra"]["rl"]["next_step"] == step, diag
     trainer = watch.trainer_log()
@@ -278,5 +224,5 @@ def _signal_requeue_resume(watch: _RunWatch, cluster: SlurmCluster) -> None:
     assert f"resumed from {saved} at step {step}" in text, diag
     assert text.count("SFT: loss") == 1, diag  # the checkpoint holds the policy after SFT
     # Each step logged once, in order: the resumed attempt went on from the saved step.
-    assert _trained_steps(run) == list(range(RESUME_STEPS)), diag
+    assert trained_steps(run) == list(range(RESUME_STEPS)), diag
     assert read_latest(ckpts) == ckpts / step_name(RESUME_STEPS), diag

@@ -12,7 +12,7 @@ import dataclasses
 import sys
 
 from moerl.config import ClusterConfig
-from moerl.launchers.slurm import DEFAULT_PORTS, SlurmConfig
+from moerl.launchers.slurm import SlurmConfig
 from moerl.launchers.stages import RunPlan
 
 
@@ -34,6 +34,7 @@ def slurm_config(
         mem_per_cpu=cluster.mem_per_cpu, signal_seconds=cluster.signal_seconds,
         requeue=cluster.requeue, job_name=cluster.job_name or job_name,
         master_port=cluster.master_port, master_addr=cluster.master_addr,
+        server_master_port=cluster.rollout_master_port,
         advertise_host=cluster.advertise_host, torchrun=torchrun, setup=tuple(cluster.setup),
         startup_timeout=max(int(startup_timeout_s), 1), grace=cluster.grace_s,
     )  # fmt: skip
@@ -42,7 +43,7 @@ def slurm_config(
 def with_cluster_ports(plan: RunPlan, cluster: ClusterConfig) -> RunPlan:
     """The plan with the cluster's fixed server ports (free ports are a local-only idea)."""
     ports = {"rollout": cluster.rollout_port, "reward": cluster.reward_port,
-             "environment": DEFAULT_PORTS["environment"]}
+             "environment": cluster.environment_port}
     stages = tuple(
         dataclasses.replace(s, port_base=ports[s.name]) if s.is_server and not s.port_base else s
         for s in plan.stages

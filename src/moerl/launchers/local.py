@@ -233,7 +233,11 @@ class LocalLauncher:
 
     def _command(self, stage: StageSpec, index: int, port: int) -> list[str]:
         argv = stage.argv(self.host, port, index)
-        if stage.name != "trainer" or not stage.torchrun:
+        if stage.span > 1:
+            raise ValueError(
+                f"stage {stage.name}: a replica spanning {stage.span} nodes needs a cluster "
+                "(launcher=slurm); on one machine each server runs on this one")
+        if not (stage.server_torchrun or (stage.name == "trainer" and stage.torchrun)):
             return argv
         # One node: torchrun's standalone rendezvous on a free local port.
         return [

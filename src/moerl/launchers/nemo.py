@@ -140,8 +140,10 @@ def slurm_executors(
         run.SlurmExecutor(
             **common,
             nodes=s.nodes,
-            # the trainer: one torchrun per node; servers: --ntasks in srun_args
-            ntasks_per_node=1 if s.name == "trainer" else math.ceil(s.replicas / s.nodes),
+            # one torchrun per node (the trainer, servers across ranks); other
+            # servers: --ntasks in srun_args
+            ntasks_per_node=1 if s.name == "trainer" or s.server_torchrun
+            else math.ceil(s.replicas / s.nodes),
             gpus_per_node=s.gpus_per_node if any_gpus else None,
             srun_args=["--overlap", *_resources(s), f"--output={plan.log_dir}/{s.name}-%j-%t.log"],
         )
@@ -159,7 +161,7 @@ def slurm_executor(plan: RunPlan, cfg: SlurmConfig, **kwargs: Any) -> Any:
 def _local_argv(stage: StageSpec, host: str, port: int, index: int) -> list[str]:
     """As `local.LocalLauncher` starts one replica (the trainer under torchrun)."""
     argv = stage.argv(host, port, index)
-    if stage.name != "trainer" or not stage.torchrun:
+    if not (stage.server_torchrun or (stage.name == "trainer" and stage.torchrun)):
         return argv
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
             f"--nproc-per-node={stage.ranks_per_node}", "--no-python", *argv]

@@ -14,7 +14,7 @@ from moerl.launchers.stages import RunPlan, StageSpec
 from moerl.models.precision import PrecisionConfig
 from moerl.rewards.config import RewardStageConfig
 from moerl.rollout.backends import check_engine, engine_argv, launch_env
-from moerl.rollout.config import RolloutStageConfig, server_ranks_argv
+from moerl.rollout.config import RolloutStageConfig, ServerRanks, server_ranks_layout
 
 
 def _cli(cfg: LaunchConfig, *args: str) -> tuple[str, ...]:
@@ -69,18 +69,18 @@ def build_run_plan(
         env=trainer_env,
     )
     precision = precision or PrecisionConfig()
+    ranks = ServerRanks(1, 1, ())
     if check_engine(rollout.engine) == "moerl":
-        python = launch.python or sys.executable
-        prefix, ranks_flags = server_ranks_argv(rollout, python)
-        backend = ["--backend", rollout.backend] if not ranks_flags else []
-        rollout_command = (*prefix, *_cli(
+        ranks = server_ranks_layout(rollout)
+        backend = ["--backend", rollout.backend] if not ranks.flags else []
+        rollout_command = _cli(
             launch, "serve", "rollout", "--host", "{host}", "--port", "{port}",
             "--arch-file", str(arch_file), "--max-batch", str(rollout.max_batch),
             *backend, "--speculative", rollout.speculative,
-            "--num-draft-tokens", str(rollout.num_draft_tokens), *ranks_flags,
+            "--num-draft-tokens", str(rollout.num_draft_tokens), *ranks.flags,
             *rollout_precision_argv(precision),
             *rollout_tokenizer_argv(tokenizer or TokenizerConfig()),
-        ))
+        )
     else:
         # The wrapper announces the engine in the rendezvous dir once it is healthy.
         python = launch.python or sys.executable
@@ -94,6 +94,8 @@ def build_run_plan(
         gpus_per_node=rollout.gpus_per_node,
         env={"OMP_NUM_THREADS": "1", **launch_env(rollout.engine)},
         binds_any_port=rollout.engine == "moerl",  # vLLM / SGLang need a port to bind
+        ranks_per_node=ranks.ranks_per_node,
+        span=ranks.span,
     )
     reward_stage = StageSpec(
         name="reward",

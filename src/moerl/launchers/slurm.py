@@ -58,6 +58,8 @@ class SlurmConfig:
     master_port: int = 29500
     master_addr: str | None = None
     """None: the first node of the trainer group, by name."""
+    server_master_port: int = 29600
+    """torchrun port of a server across ranks (rollout engines): + replica."""
     advertise_host: str | None = None
     """address servers announce; None: each node's `hostname`."""
     torchrun: tuple[str, ...] = ("torchrun",)
@@ -89,9 +91,10 @@ def _het_groups(plan: RunPlan) -> list[StageSpec]:
 
 def _resources(stage: StageSpec) -> list[str]:
     """Options a component asks for and its step repeats (srun does not inherit them)."""
-    tasks = "--ntasks-per-node=1" if stage.name == "trainer" else f"--ntasks={stage.replicas}"
+    per_node = stage.name == "trainer" or stage.server_torchrun
+    tasks = "--ntasks-per-node=1" if per_node else f"--ntasks={stage.replicas}"
     gpus = [f"--gpus-per-node={stage.gpus_per_node}"] if stage.gpus_per_node else []
-    # one trainer task per node: torchrun starts the ranks
+    # one task per node where torchrun starts the ranks (the trainer, servers across ranks)
     return [f"--nodes={stage.nodes}", tasks, f"--cpus-per-task={stage.cpus}", *gpus]
 
 
@@ -145,7 +148,12 @@ def _srun(stage: StageSpec, group: int | None, cfg: SlurmConfig) -> str:
 
 def step_command(stage: StageSpec, cfg: SlurmConfig) -> list[str]:
     """argv of the job step that runs `stage` (what its srun line starts)."""
-    inner = _trainer_inner(stage, cfg) if stage.name == "trainer" else _server_inner(stage)
+    if stage.name == "trainer":
+        inner = _trainer_inner(stage, cfg)
+    elif stage.server_torchrun:
+        inner = _ranked_server_inner(stage, cfg)
+    else:
+        inner = _server_inner(stage)
     return ["bash", "-c", inner]
 
 
@@ -160,6 +168,29 @@ def _server_inner(stage: StageSpec) -> str:
         + _stage_env(stage)
         + 'trap "" USR1; exec '
         + " ".join(_shell_arg(a) for a in stage.command)
+    )
+
+
+def _ranked_server_inner(stage: StageSpec, cfg: SlurmConfig) -> str:
+    """One task per node: replica SLURM_NODEID / span, its node rank the remainder; the
+    replica's first node is its torchrun master (its rank 0 serves and announces)."""
+    base = stage.port_base or DEFAULT_PORTS[stage.name]
+    span = stage.span
+    launcher = " ".join(shlex.quote(a) for a in cfg.torchrun)
+    # Each attempt of a requeued job on ports of its own, as the trainer's master port.
+    master_port = (f"$(({cfg.server_master_port} + REPLICA + {stage.replicas} * "
+                   "${SLURM_RESTART_COUNT:-0}))")
+    return (
+        f"REPLICA=$((SLURM_NODEID / {span})); "
+        f'SERVER_MASTER=$(scontrol show hostnames "$SLURM_STEP_NODELIST" '
+        f'| sed -n "$((REPLICA * {span} + 1))p"); '
+        f"export {ENV_STAGE}={stage.name} {ENV_INDEX}=$REPLICA {ENV_PORT}=$(({base} + REPLICA)); "
+        f'export {ENV_HOST}="${{MOERL_ADVERTISE_HOST:-$(hostname)}}"; '
+        + _stage_env(stage)
+        + f'trap "" USR1; exec {launcher} --nnodes={span} --node-rank=$((SLURM_NODEID % {span})) '
+        f"--nproc-per-node={stage.ranks_per_node} "
+        f'--master-addr="${{MOERL_ADVERTISE_HOST:-$SERVER_MASTER}}" --master-port={master_port} '
+        "--no-python " + " ".join(_shell_arg(a) for a in stage.command)
     )
 
 

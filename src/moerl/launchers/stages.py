@@ -47,28 +47,41 @@ class StageSpec:
     locally it is given 0, so no other process can take the port between its choice and
     the bind (two runs on one machine collided that way)."""
     ranks_per_node: int = 1
-    """trainer ranks per node (torchrun --nproc-per-node)."""
+    """ranks per node under torchrun (--nproc-per-node): the trainer's; a server with
+    more than one runs each replica under torchrun."""
     torchrun: bool = True
     """start the trainer under torchrun; False runs the command once per node."""
+    span: int = 1
+    """nodes one server replica spans (a rollout engine larger than a node): its
+    torchrun ranks are span x ranks_per_node; its first rank serves."""
 
     def __post_init__(self) -> None:
         if self.name not in STAGE_NAMES:
             raise ValueError(f"stage name {self.name!r}: expected one of {STAGE_NAMES}")
         if not self.command:
             raise ValueError(f"stage {self.name}: command is empty")
-        for attr in ("replicas", "nodes", "cpus", "ranks_per_node"):
+        for attr in ("replicas", "nodes", "cpus", "ranks_per_node", "span"):
             if getattr(self, attr) < 1:
                 raise ValueError(f"stage {self.name}: {attr} must be >= 1")
         if self.gpus_per_node < 0 or self.port_base < 0:
             raise ValueError(f"stage {self.name}: gpus_per_node and port_base must be >= 0")
         if self.name == "trainer" and self.replicas != 1:
             raise ValueError("stage trainer: replicas must be 1 (scale it with nodes)")
+        if self.span > 1 and (self.name == "trainer" or self.nodes != self.replicas * self.span):
+            raise ValueError(
+                f"stage {self.name}: a replica spanning {self.span} nodes needs nodes = "
+                f"replicas x span = {self.replicas * self.span}, got {self.nodes}")
         if not self.health_path.startswith("/"):
             raise ValueError(f"stage {self.name}: health_path must start with '/'")
 
     @property
     def is_server(self) -> bool:
         return self.name != "trainer"
+
+    @property
+    def server_torchrun(self) -> bool:
+        """a server whose replicas each run as ranks under torchrun."""
+        return self.is_server and (self.ranks_per_node > 1 or self.span > 1)
 
     def argv(self, host: str, port: int, index: int) -> list[str]:
         """The command with its placeholders filled in for one replica."""

@@ -274,8 +274,34 @@ KIMI_K2 = MoEArch(
     yarn_mscale_all_dim=1.0,
 )
 
+# Kimi-K2 at toy size, for the recipe in miniature (configs/experiment/kimi_k2_mini.yaml):
+# its choices (latent norms, one dense first layer, one shared expert, sigmoid routing
+# over one group with its scaling factor, no MTP, YaRN over 8x the original context,
+# rotary base 50000) at tiny's widths, with eight experts (two per rank at EP 4) and
+# four layers (two per stage at PP 2).
+KIMI_K2_MINI = dataclasses.replace(
+    KIMI_K2,
+    name="kimi-k2-mini",
+    num_layers=4,
+    hidden_size=128,
+    num_attention_heads=4,
+    vocab_size=512,  # 256 bytes + special tokens, as tiny's
+    max_position_embeddings=4096,
+    q_lora_rank=64,
+    kv_lora_rank=64,
+    qk_head_dim=32,
+    qk_pos_emb_head_dim=16,
+    v_head_dim=32,
+    ffn_hidden_size=512,
+    num_experts=8,
+    moe_ffn_hidden_size=128,
+    moe_router_topk=2,
+    yarn_factor=8.0,
+    yarn_original_max_position_embeddings=512,
+)
+
 PRESETS: dict[str, MoEArch] = {
-    arch.name: arch for arch in (TINY, MOONLIGHT_16B_A3B, DEEPSEEK_V3, KIMI_K2)
+    arch.name: arch for arch in (TINY, MOONLIGHT_16B_A3B, DEEPSEEK_V3, KIMI_K2, KIMI_K2_MINI)
 }
 
 

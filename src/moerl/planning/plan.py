@@ -51,6 +51,8 @@ class PlanConfig:
     search: SearchSettings = field(default_factory=SearchSettings)
     reward_nodes: int = 4
     """CPU nodes for the reward servers; written into a recipe, not planned."""
+    environment_nodes: int = 0
+    """CPU nodes for the environment servers of agent tasks (0: prompts only); likewise."""
 
 
 @dataclass

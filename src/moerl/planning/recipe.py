@@ -89,6 +89,7 @@ def recipe_text(config: PlanConfig, overrides: list[str], path: Path, best: Cand
         f"  trainer_nodes: {cluster.nodes}",
         f"  rollout_nodes: {rollout.nodes}",
         f"  reward_nodes: {config.reward_nodes}  # CPU nodes: sandboxes and verifiers",
+        f"  environment_nodes: {config.environment_nodes}  # CPU nodes: agent tasks' sandboxes",
         f"  gpus_per_node: {cluster.gpus_per_node}",
         f"  gpu_memory_gb: {cluster.gpu_memory_gb:g}",
         "",

@@ -149,6 +149,9 @@ def train(cfg: RLConfig, policy: Policy, sync: WeightSync, ctl: Controller | Non
             row = {**batch.metrics, **{f"train/{k}": v for k, v in metrics.items()},
                    **timer.as_metrics(), "weights/version": float(step + 1),
                    "time/step": time.perf_counter() - started}
+            streamed = getattr(sync, "streamed", None)  # rl.weight_sync=memory
+            if streamed is not None:  # versions this process streamed, not sent by disk
+                row["weights/streamed"] = float(streamed)
             ctl.logger.log(step, row)
             _print_step(step, cfg.steps, row)
         if on_step_end is not None and on_step_end(_step_end(step, ctl, producer)):

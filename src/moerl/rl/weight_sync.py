@@ -15,10 +15,11 @@ Two filesystem strategies, chosen from `rollout.engine` by `build_weight_sync`:
 `engines` is given on the controller only, which is global rank 0 (the rank that
 writes the HF export); every trainer rank calls `push`.
 
-`rl.weight_sync=memory` streams each version to moerl servers over a process group
-instead (`rl.weight_stream`). `WeightBroadcast` below is the interface the same for
-vLLM and SGLang would fill (their distributed update endpoints; not implemented);
-docs/architecture.md ("Weight sync") maps it onto the engines' endpoints.
+`rl.weight_sync=memory` streams each version to moerl or SGLang servers over a
+process group instead (`rl.weight_stream`). `WeightBroadcast` below is the interface
+vLLM's would fill (a worker extension through `/collective_rpc`; not implemented, so
+refused at start-up); docs/architecture.md ("Weight sync") maps it onto the engines'
+endpoints.
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ class WeightSync(Protocol):
 
 
 class WeightBroadcast(Protocol):
-    """Interface for streaming weights to engines over NCCL (GPU clusters; no
-    implementation yet). The trainer's rank 0 and every engine worker form one
-    process group; tensors go out in Hugging Face names and dtypes, bucketed.
+    """Interface for streaming weights to vLLM engines over NCCL (no implementation
+    yet; moerl's and SGLang's are `rl.weight_stream.MemoryWeightSync`). The trainer's
+    rank 0 and every engine worker form one process group; tensors go out in Hugging
+    Face names and dtypes, bucketed.
     """
 
     def join(self, engines: RolloutClient, master: str, port: int) -> None:

@@ -45,25 +45,41 @@ def server_ranks(cfg: RolloutStageConfig) -> int:
     return math.lcm(cfg.tensor_parallel, cfg.expert_parallel)
 
 
-def server_ranks_argv(cfg: RolloutStageConfig, python: str) -> tuple[list[str], list[str]]:
-    """(launcher prefix, `moerl serve rollout` flags) for one moerl server's ranks:
-    nothing for one rank, torchrun on this node's ranks otherwise (the prefix ends in
-    `--no-python`: the server's own command line follows)."""
+@dataclass(frozen=True)
+class ServerRanks:
+    """Where one moerl rollout server's ranks run: `span` nodes of `ranks_per_node`
+    ranks each (torchrun on each node), and the server flags that match."""
+
+    ranks_per_node: int
+    span: int
+    flags: tuple[str, ...]
+
+
+def server_ranks_layout(cfg: RolloutStageConfig) -> ServerRanks:
+    """One rank: no flags. More: `--tp/--ep` and the static decoder, on one node when
+    they fit its GPUs (`rollout.gpus_per_node`, 0: this machine), else across
+    ranks / gpus_per_node whole nodes per server (on a cluster)."""
     ranks = server_ranks(cfg)
     if ranks == 1:
-        return [], []
+        return ServerRanks(1, 1, ())
     if cfg.speculative != "none" or cfg.backend == "dynamic":
         raise ValueError(
             f"rollout.tensor_parallel / rollout.expert_parallel: a server across ranks runs "
             f"the static decoder; set rollout.backend=static (got {cfg.backend!r}) and "
             f"rollout.speculative=none (got {cfg.speculative!r}), or serve on one rank")
-    if cfg.gpus_per_node and ranks > cfg.gpus_per_node:
+    flags = ("--tp", str(cfg.tensor_parallel), "--ep", str(cfg.expert_parallel),
+             "--backend", "static")
+    per_node = cfg.gpus_per_node
+    if not per_node or ranks <= per_node:
+        return ServerRanks(ranks, 1, flags)
+    if ranks % per_node:
         raise ValueError(
             f"rollout.tensor_parallel / rollout.expert_parallel: a server of {ranks} ranks "
-            f"does not fit one node's {cfg.gpus_per_node} GPUs (rollout.gpus_per_node); "
-            "servers span one node each")
-    prefix = [python, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-              f"--nproc-per-node={ranks}", "--no-python"]
-    flags = ["--tp", str(cfg.tensor_parallel), "--ep", str(cfg.expert_parallel),
-             "--backend", "static"]
-    return prefix, flags
+            f"spans whole nodes of {per_node} GPUs (rollout.gpus_per_node); choose sizes "
+            f"whose lcm is a multiple of {per_node}")
+    span = ranks // per_node
+    if cfg.nodes != cfg.servers * span:
+        raise ValueError(
+            f"rollout.nodes={cfg.nodes}: {cfg.servers} server(s) of {ranks} ranks on nodes "
+            f"of {per_node} GPUs need rollout.nodes={cfg.servers * span}")
+    return ServerRanks(per_node, span, flags)

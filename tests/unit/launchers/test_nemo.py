@@ -102,7 +102,7 @@ def test_het_groups_match_plan(job: tuple[RunPlan, slurm.SlurmConfig],
     plan, cfg = job
     ours = _ours(plan, cfg)
     executor = nemo.slurm_executor(plan, cfg)
-    assert executor.heterogeneous and len(executor.resource_group) == len(plan.stages) == 3
+    assert executor.heterogeneous and len(executor.resource_group) == len(plan.stages) >= 3
     groups = _nemo_groups(rendered[0])
     srun_lines = re.findall(r"^srun --het-group=(\d+) (.*)$", rendered[0], re.M)
     for i, stage in enumerate(nemo.nemo_stages(plan)):
@@ -132,7 +132,8 @@ def test_job_settings_match_our_header(job: tuple[RunPlan, slurm.SlurmConfig],
         for key in ("time", "partition", "account", "mem-per-cpu"):
             assert group.get(key) == trainer.get(key), key
         assert group["signal"] == trainer["signal"].removeprefix("B:")
-    assert "#SBATCH --requeue" in ours_text and rendered[0].count("#SBATCH --requeue") == 3
+    assert "#SBATCH --requeue" in ours_text
+    assert rendered[0].count("#SBATCH --requeue") == len(plan.stages)
     assert f"export MASTER_PORT=$(({cfg.master_port} + ${{SLURM_RESTART_COUNT:-0}}))" in rendered[0]
     trainer_group = [s.name for s in nemo.nemo_stages(plan)].index("trainer")
     assert f"SLURM_JOB_NODELIST_HET_GROUP_{trainer_group}" in rendered[0]
