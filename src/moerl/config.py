@@ -210,11 +210,6 @@ class RunConfig:
                 f"tokenizer: rollout.engine={self.rollout.engine} serves "
                 "rollout.hf_model_dir with its own tokenizer, so the trainer must encode with "
                 "it too: set tokenizer=hf tokenizer.path=<the model's directory>")
-        if self.rl.weight_sync == "memory" and self.rollout.engine not in ("moerl", "sglang"):
-            raise ConfigError(
-                f"rl.weight_sync=memory: streams to moerl and SGLang rollout servers; "
-                f"rollout.engine={self.rollout.engine} loads exported checkpoints (its "
-                "distributed update is not implemented), so set rl.weight_sync=disk")
         if self.rl.sampling.max_tokens + self.data.max_prompt_tokens > (
                 self.model.max_position_embeddings):
             raise ConfigError(

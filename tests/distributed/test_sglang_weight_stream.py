@@ -7,25 +7,22 @@ checks that it got exactly the Hugging Face export of the same weights."""
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import uvicorn
 from fastapi import FastAPI
 from safetensors.torch import load_file
 
-from moerl.launchers.local import free_port
-from moerl.rendezvous import wait_healthy
 from moerl.rollout.weight_group import GroupSpec, open_group
 
 sys.path.insert(0, str(Path(__file__).parent))
+from stand_in_server import serving
 from worker_launch import run_worker
 
-WORKER = Path(__file__).with_name("sglang_stream_worker.py")
+WORKER = Path(__file__).with_name("hf_stream_worker.py")
 
 
 class StandIn:
@@ -72,16 +69,8 @@ class StandIn:
 @pytest.fixture
 def stand_in() -> Iterator[tuple[StandIn, str]]:
     server = StandIn()
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port,
-                                       log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, timeout=30)
-    yield server, url
-    uv.should_exit = True
-    thread.join(timeout=10)
+    with serving(server.app) as url:
+        yield server, url
 
 
 def test_sglang_protocol_stream_carries_the_hf_export(stand_in: tuple[StandIn, str],

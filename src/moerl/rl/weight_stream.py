@@ -10,7 +10,9 @@ differ; a server swaps versions only once the whole version has arrived, between
 batches. SGLang servers take SGLang's protocol: Hugging Face names and dtypes
 (`models.hf.hf_tensors`, as the disk export writes them), one broadcast per tensor in
 the announced order, every rank of a server in the group (`rollout.tensor_parallel`
-of them).
+of them). vLLM servers take the same tensors through moerl's worker extension
+(`rollout.vllm_extension`), called with `POST /collective_rpc`, then drop their
+prefix cache.
 
 The first version (the start, or a resume) goes through the disk path, and so does any
 version whose stream fails (a server gone, a group that broke): the trainer ranks
@@ -51,16 +53,16 @@ log = logging.getLogger(__name__)
 class MemoryWeightSync:
     """Streams versions to `engines` (given on the controller, global rank 0 only);
     `disk`: the engine's disk strategy, for the first version and failed streams.
-    `engine`: the servers' protocol (moerl or sglang). `server_ranks`: ranks of each
-    server in the group (None: each moerl server says, in /health). `hf_config` and
-    `hf_dtype` (sglang): the served config.json and the dtype the weights go in."""
+    `engine`: the servers' protocol (moerl, sglang or vllm). `server_ranks`: ranks of
+    each server in the group (None: each moerl server says, in /health). `hf_config`
+    and `hf_dtype` (sglang, vllm): the served config.json and the weights' dtype."""
 
     def __init__(self, disk: WeightSync, engines: RolloutClient | None, arch: MoEArch, *,
                  engine: str = "moerl", server_ranks: int | None = None,
                  bucket_bytes: int = 64 << 20, timeout_s: float = 600.0,
                  hf_config: dict[str, Any] | None = None,
                  hf_dtype: torch.dtype | None = None) -> None:
-        if engine not in ("moerl", "sglang"):
+        if engine not in ("moerl", "sglang", "vllm"):
             raise ValueError(f"rl.weight_sync=memory: rollout.engine={engine} has no stream "
                              "here; set rl.weight_sync=disk")
         self.disk, self.engine, self.server_ranks = disk, engine, server_ranks
@@ -95,21 +97,24 @@ class MemoryWeightSync:
         try:
             if self.group is None:
                 self.group = self._join()
-            if self.engine == "sglang":
+            if self.engine != "moerl":
                 from moerl.models.hf import hf_tensors
 
                 full, _ = hf_tensors(full, self.arch, self.hf_config, self.hf_dtype)
             names = list(full)
             manifest = Manifest(tuple(spec_of(n, full[n]) for n in names), version,
                                 self.bucket_bytes)
+            path = "/collective_rpc" if self.engine == "vllm" else \
+                "/update_weights_from_distributed"
             with ThreadPoolExecutor(len(self.engines.urls)) as pool:
-                replies = self._post_all(pool, "/update_weights_from_distributed",
-                                         self._announcement(manifest))
-                if self.engine == "sglang":
-                    broadcast_each(self.group, [full[n] for n in names])
-                else:
+                replies = self._post_all(pool, path, self._announcement(manifest))
+                if self.engine == "moerl":
                     send(self.group, manifest, [full[n] for n in names])
+                else:
+                    broadcast_each(self.group, [full[n] for n in names])
                 _check(replies, f"version {version}")
+                if self.engine == "vllm":  # prefixes cached under the old weights
+                    _check(self._post_all(pool, "/reset_prefix_cache", {}), "prefix cache")
         except Exception as exc:  # any failure: this version goes by disk
             log.warning("streaming weight version %d failed (%s); publishing it to disk",
                         version, exc)
@@ -119,12 +124,15 @@ class MemoryWeightSync:
 
     def _announcement(self, manifest: Manifest) -> dict[str, Any]:
         """The update request's body in the servers' protocol."""
+        tensors = {"names": [t.name for t in manifest.tensors],
+                   "dtypes": [t.dtype for t in manifest.tensors],
+                   "shapes": [list(t.shape) for t in manifest.tensors]}
         if self.engine == "sglang":
-            return {"names": [t.name for t in manifest.tensors],
-                    "dtypes": [t.dtype for t in manifest.tensors],
-                    "shapes": [list(t.shape) for t in manifest.tensors],
-                    "group_name": self._group_name, "flush_cache": True,
+            return {**tensors, "group_name": self._group_name, "flush_cache": True,
                     "weight_version": str(manifest.version)}
+        if self.engine == "vllm":
+            return {"method": "moerl_update_weights",
+                    "kwargs": {**tensors, "version": manifest.version}}
         return {"tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
                             for t in manifest.tensors],
                 "version": manifest.version, "bucket_bytes": manifest.bucket_bytes}
@@ -143,18 +151,23 @@ class MemoryWeightSync:
         spec = GroupSpec(host, free_port(host), 1, 1 + sum(ranks), self._group_name,
                          "nccl" if torch.cuda.is_available() else "gloo", self.timeout_s)
         offsets = list(itertools.accumulate([1, *ranks[:-1]]))
-        body = dict(spec.__dict__)
-        if self.engine == "sglang":  # its request has no timeout field
-            body.pop("timeout_s")
         with ThreadPoolExecutor(len(self.engines.urls)) as pool:
-            replies = [pool.submit(self._post, url, "/init_weights_update_group",
-                                   {**body, "rank_offset": offset})
+            replies = [pool.submit(self._post, url, *self._join_request(spec, offset))
                        for url, offset in zip(self.engines.urls, offsets, strict=True)]
             group = open_group(spec, 0)
             _check(replies, "joining the weight group")
         log.info("weight group %s: %d server ranks on %d servers", spec.group_name,
                  spec.world_size - 1, len(ranks))
         return group
+
+    def _join_request(self, spec: GroupSpec, offset: int) -> tuple[str, dict[str, Any]]:
+        """(path, body) asking one server to join the group from rank `offset` on."""
+        body: dict[str, Any] = {**spec.__dict__, "rank_offset": offset}
+        if self.engine == "vllm":
+            return "/collective_rpc", {"method": "moerl_join_weight_group", "kwargs": body}
+        if self.engine == "sglang":  # its request has no timeout field
+            body.pop("timeout_s")
+        return "/init_weights_update_group", body
 
     def _post_all(self, pool: ThreadPoolExecutor, path: str, body: dict[str, Any]
                   ) -> list[Future[str | None]]:

@@ -15,10 +15,9 @@ Two filesystem strategies, chosen from `rollout.engine` by `build_weight_sync`:
 `engines` is given on the controller only, which is global rank 0 (the rank that
 writes the HF export); every trainer rank calls `push`.
 
-`rl.weight_sync=memory` streams each version to moerl or SGLang servers over a
-process group instead (`rl.weight_stream`). `WeightBroadcast` below is the interface
-vLLM's would fill (a worker extension through `/collective_rpc`; not implemented, so
-refused at start-up); docs/architecture.md ("Weight sync") maps it onto the engines'
+`rl.weight_sync=memory` streams each version to the servers over a process group
+instead (`rl.weight_stream`: moerl's buckets, SGLang's protocol, vLLM through moerl's
+worker extension); docs/architecture.md ("Weight sync") maps it onto the engines'
 endpoints.
 """
 
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -56,24 +54,6 @@ class Publisher(Protocol):
 
 class WeightSync(Protocol):
     def push(self, policy: Publisher, version: int) -> None: ...
-
-
-class WeightBroadcast(Protocol):
-    """Interface for streaming weights to vLLM engines over NCCL (no implementation
-    yet; moerl's and SGLang's are `rl.weight_stream.MemoryWeightSync`). The trainer's
-    rank 0 and every engine worker form one process group; tensors go out in Hugging
-    Face names and dtypes, bucketed.
-    """
-
-    def join(self, engines: RolloutClient, master: str, port: int) -> None:
-        """Ask every engine to join the group (SGLang `/init_weights_update_group`;
-        vLLM a worker-extension method through `/collective_rpc`), then join it."""
-        ...
-
-    def broadcast(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Announce names/dtypes/shapes of a bucket (SGLang
-        `/update_weights_from_distributed`), broadcast it, and tag `version`."""
-        ...
 
 
 class _Announcer:
@@ -188,9 +168,6 @@ def build_weight_sync(engine: str, root: Path, engines: RolloutClient | None, *,
                                   dtype=export_dtype(dtype))
     if mode == "disk":
         return disk
-    if kind == "vllm":
-        raise ValueError("rl.weight_sync=memory: vLLM's distributed update (a worker "
-                         "extension) is not implemented; set rl.weight_sync=disk")
     from moerl.rl.weight_stream import MemoryWeightSync
 
     assert arch is not None, "rl.weight_sync=memory needs the architecture"

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from moerl.rollout.config import RolloutStageConfig
 
 Engine = Literal["moerl", "vllm", "sglang"]
+VLLM_EXTENSION = "moerl.rollout.vllm_extension.WeightReceiver"
 ENGINES: tuple[Engine, ...] = ("moerl", "vllm", "sglang")
 
 # The engines' CLI flags, per logical option (vLLM `vllm serve --help`, SGLang
@@ -85,7 +86,9 @@ def engine_argv(rollout: RolloutStageConfig, python: str | None = None) -> tuple
         return [] if flag is None or value is None else [flag, str(value)]
 
     if engine == "vllm":
-        argv = ["vllm", "serve", rollout.hf_model_dir]
+        # moerl's weight receiver in every worker (`rollout.vllm_extension`), for
+        # rl.weight_sync=memory; idle otherwise.
+        argv = ["vllm", "serve", rollout.hf_model_dir, "--worker-extension-cls", VLLM_EXTENSION]
     else:
         argv = [python or sys.executable, "-m", "sglang.launch_server",
                 "--model-path", rollout.hf_model_dir]

@@ -136,6 +136,16 @@ def broadcast_each(group: WeightGroup, tensors: Sequence[torch.Tensor]) -> None:
         _broadcast(group, tensor.detach().contiguous())
 
 
+def receive_each(group: WeightGroup, names: Sequence[str], dtypes: Sequence[str],
+                 shapes: Sequence[Sequence[int]], device: torch.device
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Receiver of `broadcast_each`: each announced tensor as it arrives, by name."""
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        tensor = torch.empty(tuple(shape), dtype=dtype_of(dtype), device=device)
+        _broadcast(group, tensor)
+        yield name, tensor
+
+
 def receive(group: WeightGroup, manifest: Manifest, device: torch.device,
             reuse: Sequence[torch.Tensor] = ()) -> tuple[dict[str, torch.Tensor],
                                                          list[torch.Tensor]]:

@@ -14,10 +14,11 @@ from moerl.rl.weight_sync import FilesystemWeightSync, HFExportWeightSync, build
 from moerl.typed_config import ConfigError
 
 
-def test_memory_is_refused_for_vllm_and_accepted_for_moerl_and_sglang(tmp_path: Path) -> None:
+def test_memory_is_accepted_for_every_engine(tmp_path: Path) -> None:
     hf = ["tokenizer=hf", f"tokenizer.path={tmp_path}", f"rollout.hf_model_dir={tmp_path}"]
-    with pytest.raises(ConfigError, match=r"rl\.weight_sync=memory.*rl\.weight_sync=disk"):
-        load_run_config(["rl.weight_sync=memory", "rollout.engine=vllm", *hf])
+    for engine in ("vllm", "sglang"):
+        cfg = load_run_config(["rl.weight_sync=memory", f"rollout.engine={engine}", *hf])
+        assert cfg.rl.weight_sync == "memory"
     assert load_run_config(["rl.weight_sync=memory"]).rl.weight_sync == "memory"
     with pytest.raises(ConfigError, match=r"rl\.weight_sync_bucket_mb"):
         load_run_config(["rl.weight_sync_bucket_mb=0"])
@@ -33,7 +34,9 @@ def test_each_engine_gets_its_disk_path_under_the_stream(tmp_path: Path) -> None
     assert isinstance(sglang, MemoryWeightSync) and isinstance(sglang.disk, HFExportWeightSync)
     assert sglang.server_ranks == 4
     assert isinstance(build_weight_sync("moerl", tmp_path, None), FilesystemWeightSync)
-    with pytest.raises(ValueError, match="vLLM"):
-        build_weight_sync("vllm", tmp_path, None, mode="memory", arch=TINY)
+    vllm = build_weight_sync("vllm", tmp_path, None, mode="memory", arch=TINY,
+                             server_ranks=2)
+    assert isinstance(vllm, MemoryWeightSync) and isinstance(vllm.disk, HFExportWeightSync)
+    assert (vllm.engine, vllm.server_ranks) == ("vllm", 2)
     with pytest.raises(ValueError, match=r"rl\.weight_sync: 'nccl'"):
         build_weight_sync("moerl", tmp_path, None, mode="nccl", arch=TINY)

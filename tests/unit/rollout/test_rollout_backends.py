@@ -5,6 +5,7 @@ Neither engine runs on CPU, so these check what would be sent, not the engines.
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -37,6 +38,9 @@ def test_vllm_argv() -> None:
     assert _flag(argv, "--max-model-len") == "8192"
     assert _flag(argv, "--served-model-name") == "policy"
     assert _flag(argv, "--gpu-memory-utilization") == "0.85"
+    # the class vLLM mixes into its workers must import by that name
+    module, _, name = _flag(argv, "--worker-extension-cls").rpartition(".")
+    assert hasattr(importlib.import_module(module), name)
     no_ep = engine_argv(RolloutStageConfig(engine="vllm", hf_model_dir=HF))
     assert "--enable-expert-parallel" not in no_ep and "--max-model-len" not in no_ep
 

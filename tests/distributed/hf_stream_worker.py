@@ -1,7 +1,8 @@
-"""The trainer side of the SGLang weight stream test: one rank, the tiny model with
-the latent norms the Hugging Face layout has, versions 1 (the start: an HF export on
-disk) and 2 (streamed in SGLang's protocol) pushed to the server at `--url`; then the
-weights of version 2 exported to `--expect` for the test to compare with."""
+"""The trainer side of the SGLang and vLLM weight stream tests: one rank, the tiny
+model with the latent norms the Hugging Face layout has, versions 1 (the start: an HF
+export on disk) and 2 (streamed in the `--engine`'s protocol to a server of
+`--server-ranks` ranks) pushed to the server at `--url`; then the weights of version 2
+exported to `--expect` for the test to compare with."""
 
 from __future__ import annotations
 
@@ -29,12 +30,14 @@ def main() -> None:
     parser.add_argument("--root", required=True, type=Path)
     parser.add_argument("--expect", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--engine", default="sglang", choices=["sglang", "vllm"])
+    parser.add_argument("--server-ranks", default=1, type=int)
     args = parser.parse_args()
     init_parallel(ParallelLayout(), seed=5)
     policy = Trained(ARCH, list(build_model(ARCH, ParallelLayout())))
-    engines = RolloutClient([args.url], engine="sglang")
-    sync = build_weight_sync("sglang", args.root, engines, mode="memory", arch=ARCH,
-                             dtype="bfloat16", server_ranks=1)
+    engines = RolloutClient([args.url], engine=args.engine)
+    sync = build_weight_sync(args.engine, args.root, engines, mode="memory", arch=ARCH,
+                             dtype="bfloat16", server_ranks=args.server_ranks)
     sync.push(policy, 1)
     with torch.no_grad():
         for param in policy.chunks[0].parameters():
