@@ -1,4 +1,4 @@
-"""The rollout server across ranks: `moerl serve rollout --tp/--ep` under torchrun
+"""The rollout server across ranks: `moerl serve rollout --tp/--ep/--pp` under torchrun
 (gloo, 2 ranks) against the one-process server, both over HTTP, from the same
 published weights.
 
@@ -26,7 +26,8 @@ TOLERANCE = 1e-5
 PROMPTS = [list(b"def add(a, b):\n    return"), list(b"Return n times 3."), list(b"x = 1\ny =")]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 SAMPLED = SamplingParams(max_tokens=16, temperature=1.0, seed=7)
-LAYOUTS = {"tp2": ["--tp", "2"], "ep2": ["--ep", "2"], "tp2_ep2": ["--tp", "2", "--ep", "2"]}
+LAYOUTS = {"tp2": ["--tp", "2"], "ep2": ["--ep", "2"], "tp2_ep2": ["--tp", "2", "--ep", "2"],
+           "pp2": ["--pp", "2"]}
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """`rl.weight_sync=memory` across layouts: a TP2-EP2 trainer streams a version to a
-one-rank server and to an EP2 server (2 ranks, torchrun); what they then answer must be
-bit for bit what they answer after loading the same version from disk."""
+one-rank server, an EP2 server and a PP2 server (2 ranks each, torchrun); what they
+then answer must be bit for bit what they answer after loading the same version from
+disk."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_streamed_version_equals_the_disk_version(tmp_path: Path) -> None:
     start = publish(1, tmp_path / "start")
     with ExitStack() as stack:
         servers = [stack.enter_context(rollout_server(tmp_path, ranks, flags, start))
-                   for ranks, flags in ((1, []), (2, ["--ep", "2"]))]
+                   for ranks, flags in ((1, []), (2, ["--ep", "2"]), (2, ["--pp", "2"]))]
         before = [_greedy(s) for s in servers]
         urls = ",".join(s.urls[0] for s in servers)
         out = tmp_path / "sync.json"
@@ -49,6 +50,7 @@ def test_streamed_version_equals_the_disk_version(tmp_path: Path) -> None:
         for a, b in zip(server_streamed, server_disk, strict=True):
             assert a.token_ids == b.token_ids
             assert torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
-    # both servers hold the same model: the one-rank and the EP2 answers agree
-    for a, b in zip(streamed[0], streamed[1], strict=True):
-        assert a.token_ids == b.token_ids
+    # the servers hold the same model: the one-rank, EP2 and PP2 answers agree
+    for other in streamed[1:]:
+        for a, b in zip(streamed[0], other, strict=True):
+            assert a.token_ids == b.token_ids

@@ -162,7 +162,8 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
                              hf_model_dir=cfg.rollout.hf_model_dir, dtype=cfg.rollout.dtype,
                              mode=cfg.rl.weight_sync, arch=policy.arch,
                              bucket_mb=cfg.rl.weight_sync_bucket_mb,
-                             server_ranks=cfg.rollout.tensor_parallel)
+                             server_ranks=cfg.rollout.tensor_parallel
+                             * cfg.rollout.pipeline_parallel)
     sync.push(policy, start)  # the servers start from the trainer's (resumed) weights
     on_step_end = ckpt.step_end_hook(policy, stop, cfg.rl.steps) if ckpt else None
     stopped = train(cfg.rl, policy, sync, ctl, start_step=start, on_step_end=on_step_end)

@@ -50,12 +50,14 @@ ENGINES: tuple[Engine, ...] = ("moerl", "vllm", "sglang")
 _FLAGS: dict[str, dict[str, str | None]] = {
     "vllm": {
         "host": "--host", "port": "--port", "tp": "--tensor-parallel-size",
+        "pp": "--pipeline-parallel-size",
         "ep": "--enable-expert-parallel",  # a switch: vLLM's EP size is TP x DP
         "dtype": "--dtype", "max_len": "--max-model-len",
         "name": "--served-model-name", "memory": "--gpu-memory-utilization",
     },
     "sglang": {
-        "host": "--host", "port": "--port", "tp": "--tp-size", "ep": "--ep-size",
+        "host": "--host", "port": "--port", "tp": "--tp-size", "pp": "--pp-size",
+        "ep": "--ep-size",
         "dtype": "--dtype", "max_len": "--context-length",
         "name": "--served-model-name", "memory": "--mem-fraction-static",
     },
@@ -93,6 +95,8 @@ def engine_argv(rollout: RolloutStageConfig, python: str | None = None) -> tuple
         argv = [python or sys.executable, "-m", "sglang.launch_server",
                 "--model-path", rollout.hf_model_dir]
     argv += opt("host", "{host}") + opt("port", "{port}") + opt("tp", rollout.tensor_parallel)
+    if rollout.pipeline_parallel > 1:
+        argv += opt("pp", rollout.pipeline_parallel)
     if rollout.expert_parallel > 1:
         ep = flags["ep"]
         assert ep is not None

@@ -26,10 +26,12 @@ class RolloutStageConfig:
     engine: str = "moerl"  # moerl | vllm | sglang (see rl.rollout.backends)
     # vllm / sglang only: they serve Hugging Face weights (`moerl hf export`).
     hf_model_dir: str | None = None
-    # Each server's layout, every engine: moerl runs a server of lcm(tp, ep) ranks
-    # under torchrun (`rollout.ranks`), vLLM / SGLang get their own flags.
+    # Each server's layout, every engine: moerl runs a server of pp x lcm(tp, ep) ranks
+    # under torchrun (`rollout.ranks`), vLLM / SGLang get their own flags. Pipeline
+    # stages are for a model too large otherwise: a decode step passes them in turn.
     tensor_parallel: int = 1
     expert_parallel: int = 1
+    pipeline_parallel: int = 1
     dtype: str = "bfloat16"
     max_model_len: int | None = None
     served_model_name: str | None = None
@@ -37,12 +39,13 @@ class RolloutStageConfig:
 
 
 def server_ranks(cfg: RolloutStageConfig) -> int:
-    """Ranks of one moerl rollout server: tensor parallelism times the data-parallel
-    replicas inside it that the experts need to spread over `expert_parallel` ranks."""
-    for name in ("tensor_parallel", "expert_parallel"):
+    """Ranks of one moerl rollout server: its pipeline stages times, per stage, tensor
+    parallelism times the data-parallel replicas inside it that the experts need to
+    spread over `expert_parallel` ranks."""
+    for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"rollout.{name}: must be >= 1, got {getattr(cfg, name)}")
-    return math.lcm(cfg.tensor_parallel, cfg.expert_parallel)
+    return cfg.pipeline_parallel * math.lcm(cfg.tensor_parallel, cfg.expert_parallel)
 
 
 @dataclass(frozen=True)
@@ -64,10 +67,11 @@ def server_ranks_layout(cfg: RolloutStageConfig) -> ServerRanks:
         return ServerRanks(1, 1, ())
     if cfg.speculative != "none" or cfg.backend == "dynamic":
         raise ValueError(
-            f"rollout.tensor_parallel / rollout.expert_parallel: a server across ranks runs "
+            f"rollout.tensor/expert/pipeline_parallel: a server across ranks runs "
             f"the static decoder; set rollout.backend=static (got {cfg.backend!r}) and "
             f"rollout.speculative=none (got {cfg.speculative!r}), or serve on one rank")
     flags = ("--tp", str(cfg.tensor_parallel), "--ep", str(cfg.expert_parallel),
+             *(("--pp", str(cfg.pipeline_parallel)) if cfg.pipeline_parallel > 1 else ()),
              "--backend", "static")
     per_node = cfg.gpus_per_node
     if not per_node or ranks <= per_node:

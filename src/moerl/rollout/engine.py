@@ -112,7 +112,7 @@ class MegatronEngine:
                 model, eos, tokenizer.decode, tokenizer.encode, self.options.max_batch,
                 max_sequence_length, self.options.logprob_mode)
         else:
-            agree = self.ranks.agree_tokens if self.ranks is not None else None
+            agree = self.ranks.agree_samples if self.ranks is not None else None
             self._decoder = StaticDecoder(model, eos, tokenizer.decode, agree)
         model.eval()
 
@@ -314,11 +314,11 @@ def build_engine(preset: str | MoEArch, tokenizer: Tokenizer, *,
                  weights: str | Path | None = None,
                  seed: int = 0, options: EngineOptions | None = None,
                  precision: PrecisionConfig | None = None,
-                 tp: int = 1, ep: int = 1) -> MegatronEngine:
+                 tp: int = 1, ep: int = 1, pp: int = 1) -> MegatronEngine:
     """The engine for model `preset`: weights from `weights` (version 0), or a random
     init from `seed`. `precision`: the run's (None: this machine's default, bf16 with
     Transformer Engine where it runs on a GPU, fp32 on CPU). Under torchrun every rank
-    calls this and holds its shard of a `tp` x `ep` layout (`rollout.ranks`)."""
+    calls this and holds its shard of a `tp` x `ep` x `pp` layout (`rollout.ranks`)."""
     import torch.distributed as dist
 
     from moerl.models.arch import get_preset
@@ -333,7 +333,7 @@ def build_engine(preset: str | MoEArch, tokenizer: Tokenizer, *,
             f"tokenizer vocabulary ({tokenizer.vocab_size}) is larger than model {arch.name!r}'s "
             f"({arch.vocab_size})"
         )
-    layout = serving_layout(arch, int(os.environ.get("WORLD_SIZE", "1")), tp, ep)
+    layout = serving_layout(arch, int(os.environ.get("WORLD_SIZE", "1")), tp, ep, pp)
     groups = init_parallel(layout, seed=seed)
     ranks = RolloutRanks() if dist.get_world_size() > 1 else None
     # On a GPU the model runs in bf16 by default (as the trainer does): the dynamic

@@ -1,17 +1,20 @@
 """The rollout server across ranks: one model split over the ranks of a torchrun job.
 
-`moerl serve rollout --tp T --ep E` under torchrun builds the policy with a
-`ParallelLayout` of its own (tensor and expert parallelism; every other rank count
-is data parallelism inside the server, which runs the same batch on each replica).
-Rank 0, the leader, serves HTTP. Every batch and weight update it runs is first
-sent to the other ranks (followers) over a gloo group of its own, and all ranks run
-it together: the same rows in the same order, the same forwards (their collectives
-pair up), each rank loading only its shard of a published weight version. Tokens
-are sampled on every rank from the same gathered logits and then replaced by the
-leader's, so no rank can drift from the sequence the leader answers with.
+`moerl serve rollout --tp T --ep E --pp P` under torchrun builds the policy with a
+`ParallelLayout` of its own (tensor, expert and pipeline parallelism; every other
+rank count is data parallelism inside the server, which runs the same batch on each
+replica). Rank 0, the leader, serves HTTP. Every batch and weight update it runs is
+first sent to the other ranks (followers) over a gloo group of its own, and all ranks
+run it together: the same rows in the same order, the same forwards (their
+collectives and the pipeline's sends pair up), each rank loading only its shard of a
+published weight version. The ranks holding logits sample; then every rank takes the
+tokens and logprobs of one of them, the source (the leader, or with pipeline stages
+the last stage of the leader's pipeline), so no rank can drift from the sequence the
+leader answers with.
 
-Pipeline stages are not supported in the server: a decode step through PP stages
-would idle all but one of them (generation is one token at a time).
+Pipeline stages hold a model too large for one stage's ranks; each decode step
+passes through them in turn (one token at a time, so a stage idles while the others
+compute): use them for memory, tensor and expert parallelism for speed.
 """
 
 from __future__ import annotations
@@ -43,16 +46,18 @@ log = logging.getLogger(__name__)
 _IDLE_FOREVER = timedelta(days=365)
 
 
-def serving_layout(arch: ModelShape, world_size: int, tp: int = 1, ep: int = 1) -> ParallelLayout:
-    """The server's layout on `world_size` ranks: `tp` x `ep`, the rest data parallel.
+def serving_layout(arch: ModelShape, world_size: int, tp: int = 1, ep: int = 1,
+                   pp: int = 1) -> ParallelLayout:
+    """The server's layout on `world_size` ranks: `tp` x `ep` x `pp`, the rest data
+    parallel.
 
     Checked by the trainer's rules, then built without sequence parallelism: a decode
     step holds one token per row, which cannot be split over TP ranks (Megatron's MoE
     layers then take every token on each TP rank, as its own inference does)."""
-    if world_size % tp:
-        raise LayoutError(f"rollout.tp: {world_size} server ranks cannot hold tp={tp}; start "
-                          "a multiple of tp ranks per server")
-    layout = ParallelLayout.for_world(world_size, tp=tp, ep=ep)
+    if world_size % (tp * pp):
+        raise LayoutError(f"rollout: {world_size} server ranks cannot hold tp={tp} x pp={pp}; "
+                          "start a multiple of tp x pp ranks per server")
+    layout = ParallelLayout.for_world(world_size, tp=tp, ep=ep, pp=pp)
     layout.check(arch, world_size)
     layout.sequence_parallel = False
     return layout
@@ -74,9 +79,16 @@ class RolloutRanks:
     """The server's ranks and the leader's channel to them (every rank makes one)."""
 
     def __init__(self) -> None:
+        from megatron.core import parallel_state as ps
+
         self.group = dist.new_group(backend="gloo", timeout=_IDLE_FOREVER)
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
+        # The rank whose samples every rank takes: the last stage of the leader's pipeline.
+        box = [ps.get_pipeline_model_parallel_last_rank()]
+        if self.size > 1:
+            dist.broadcast_object_list(box, group=self.group, group_src=0)
+        self.source = dist.get_group_rank(self.group, box[0])
 
     @property
     def leader(self) -> bool:
@@ -101,13 +113,21 @@ class RolloutRanks:
         assert box[0] is not None
         return box[0]
 
-    def agree_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The leader's sampled tokens [k], on every rank."""
+    def agree_samples(self, tokens: torch.Tensor | None, logprobs: torch.Tensor | None,
+                      count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The source's `count` sampled tokens and their logprobs, on every rank (a stage
+        without logits passes None)."""
         if self.size == 1:
-            return tokens
-        host = tokens.to("cpu", torch.long).contiguous()
-        dist.broadcast(host, group=self.group, group_src=0)
-        return host.to(tokens.device)
+            assert tokens is not None and logprobs is not None
+            return tokens, logprobs
+        # float64 holds every token id exactly, and every float32 logprob.
+        both = torch.empty(2, count, dtype=torch.float64)
+        if self.rank == self.source:
+            assert tokens is not None and logprobs is not None
+            both[0], both[1] = tokens.cpu(), logprobs.cpu()
+        dist.broadcast(both, group=self.group, group_src=self.source)
+        device = tokens.device if tokens is not None else torch.device("cpu")
+        return both[0].to(device, torch.long), both[1].to(device, torch.float32)
 
     def all_ok(self, ok: bool) -> bool:
         """True on every rank when `ok` is true on every rank."""

@@ -8,8 +8,8 @@ the engine (see `batching`); a request that has waited longer than
 `--update-wait` seconds behind an update is answered 503 with Retry-After and
 never from half-loaded weights. Every completion names its weight version.
 
-Under torchrun (`--tp`, `--ep`) the model is split over the job's ranks: rank 0
-serves HTTP and the others follow it (`rollout.ranks`).
+Under torchrun (`--tp`, `--ep`, `--pp`) the model is split over the job's ranks:
+rank 0 serves HTTP and the others follow it (`rollout.ranks`).
 """
 
 from __future__ import annotations
@@ -188,6 +188,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="tensor parallelism across this server's ranks (under torchrun)")
     p.add_argument("--ep", type=int, default=1,
                    help="expert parallelism across this server's ranks (under torchrun)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages across this server's ranks (under torchrun)")
     p.add_argument("--speculative", choices=SPECULATIVE_MODES, default="none",
                    help="draft tokens with n-gram lookup or the MTP head; samples keep the "
                         "policy's distribution")
@@ -213,8 +215,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_batch < 1:
         p.error("--max-batch must be >= 1")
-    if args.tp < 1 or args.ep < 1:
-        p.error("--tp and --ep must be >= 1")
+    if args.tp < 1 or args.ep < 1 or args.pp < 1:
+        p.error("--tp, --ep and --pp must be >= 1")
     return args
 
 
@@ -239,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     precision = PrecisionConfig(transformer_impl=args.transformer_impl,
                                 params_dtype=args.params_dtype, fp8=args.fp8)
     engine = build_engine(_arch(args), tokenizer, weights=args.weights, seed=args.seed,
-                          options=options, precision=precision, tp=args.tp, ep=args.ep)
+                          options=options, precision=precision, tp=args.tp, ep=args.ep,
+                          pp=args.pp)
     if engine.ranks is not None and not engine.ranks.leader:
         follow(engine, engine.ranks)
         return 0

@@ -32,8 +32,10 @@ from moerl.rollout.sampling import RowSampling, choose_tokens
 from moerl.rollout.types import FinishReason, SpeculationStats
 
 Detokenize = Callable[[list[int]], str]
-# Every rank of a rollout server across ranks takes the leader's tokens (identity on one).
-AgreeTokens = Callable[[torch.Tensor], torch.Tensor]
+# Every rank of a rollout server across ranks takes one rank's sampled tokens [k] and
+# their logprobs [k] (`rollout.ranks`); a pipeline stage without logits gives None.
+AgreeSamples = Callable[[torch.Tensor | None, torch.Tensor | None, int],
+                        tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -76,7 +78,7 @@ class StaticDecoder:
     """Decodes a batch of `DecodeRow`s with a fresh KV cache sized to the batch."""
 
     def __init__(self, model: GPTModel, eos_id: int | None, detokenize: Detokenize,
-                 agree: AgreeTokens | None = None) -> None:
+                 agree: AgreeSamples | None = None) -> None:
         self.model = model
         self.eos_id = eos_id
         self.detokenize = detokenize
@@ -103,7 +105,9 @@ class StaticDecoder:
                 "position_ids": positions[index, start:end],  # [k, s]
                 "attention_mask": None if mask is None else mask[..., start:end, :end],
             }
-            logits = wrapper.run_one_forward_step(window)[:, -1, :]  # [k, V], for position `end`
+            # [k, V], for position `end`; None on a pipeline stage before the last
+            logits = wrapper.run_one_forward_step(window)
+            logits = None if logits is None else logits[:, -1, :]
             if start == 0:
                 context.enable_decode_mode()
             self._advance(rows, live[:fed], lengths, logits, tokens, end)
@@ -120,7 +124,7 @@ class StaticDecoder:
         rows: list[DecodeRow],
         slots: list[int],
         lengths: list[int],
-        logits: torch.Tensor,
+        logits: torch.Tensor | None,
         tokens: torch.Tensor,
         end: int,
     ) -> None:
@@ -135,9 +139,12 @@ class StaticDecoder:
         if not picks:
             return
         chosen = [rows[slots[j]] for j in picks]
-        new, logprobs = choose_tokens(logits[picks], [row.sampling for row in chosen])
+        new = logprobs = None
+        if logits is not None:
+            new, logprobs = choose_tokens(logits[picks], [row.sampling for row in chosen])
         if self.agree is not None:
-            new = self.agree(new)
+            new, logprobs = self.agree(new, logprobs, len(picks))
+        assert new is not None and logprobs is not None, "logits on one stage: no agreement"
         for j, row, token, logprob in zip(picks, chosen, new.tolist(), logprobs.tolist(),
                                           strict=True):
             tokens[slots[j], end] = token

@@ -1,7 +1,7 @@
-"""A moerl rollout server across ranks in the run plan: torchrun on lcm(tp, ep) ranks
-of one node (whole nodes on a cluster when they do not fit one), the server's own flags
-parsed by the server, and the settings it cannot serve refused at start-up with the
-field named."""
+"""A moerl rollout server across ranks in the run plan: torchrun on pp x lcm(tp, ep)
+ranks of one node (whole nodes on a cluster when they do not fit one), the server's
+own flags parsed by the server, and the settings it cannot serve refused at start-up
+with the field named."""
 
 from __future__ import annotations
 
@@ -28,11 +28,14 @@ def _rollout_argv(tmp_path: Path, overrides: list[str]) -> list[str]:
     return _rollout_stage(tmp_path, overrides).argv("127.0.0.1", 0, 0)
 
 
-@pytest.mark.parametrize(("tp", "ep", "ranks"), [(2, 1, 2), (1, 4, 4), (2, 2, 2), (2, 4, 4)])
-def test_server_runs_on_lcm_of_tp_and_ep_ranks(tmp_path: Path, tp: int, ep: int,
-                                               ranks: int) -> None:
+@pytest.mark.parametrize(("tp", "ep", "pp", "ranks"),
+                         [(2, 1, 1, 2), (1, 4, 1, 4), (2, 2, 1, 2), (2, 4, 1, 4), (1, 1, 2, 2),
+                          (2, 2, 2, 4)])
+def test_server_runs_on_pp_times_lcm_of_tp_and_ep_ranks(tmp_path: Path, tp: int, ep: int,
+                                                        pp: int, ranks: int) -> None:
     stage = _rollout_stage(tmp_path, [f"rollout.tensor_parallel={tp}",
-                                      f"rollout.expert_parallel={ep}"])
+                                      f"rollout.expert_parallel={ep}",
+                                      f"rollout.pipeline_parallel={pp}"])
     assert (stage.ranks_per_node, stage.span, stage.server_torchrun) == (ranks, 1, True)
     plan = RunPlan((_trainer(), stage), tmp_path / "rdv", tmp_path / "logs")
     argv = LocalLauncher(plan)._command(stage, 0, 0)
@@ -41,7 +44,7 @@ def test_server_runs_on_lcm_of_tp_and_ep_ranks(tmp_path: Path, tp: int, ep: int,
     server = argv[argv.index("--no-python") + 1:]
     assert server[1:5] == ["-m", "moerl.launchers.cli", "serve", "rollout"]
     args = _parse(server[5:])
-    assert (args.tp, args.ep, args.backend) == (tp, ep, "static")
+    assert (args.tp, args.ep, args.pp, args.backend) == (tp, ep, pp, "static")
 
 
 def _trainer() -> StageSpec:

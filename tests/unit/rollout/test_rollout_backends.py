@@ -43,6 +43,10 @@ def test_vllm_argv() -> None:
     assert hasattr(importlib.import_module(module), name)
     no_ep = engine_argv(RolloutStageConfig(engine="vllm", hf_model_dir=HF))
     assert "--enable-expert-parallel" not in no_ep and "--max-model-len" not in no_ep
+    assert "--pipeline-parallel-size" not in no_ep
+    staged = engine_argv(RolloutStageConfig(engine="vllm", hf_model_dir=HF,
+                                            pipeline_parallel=2))
+    assert _flag(staged, "--pipeline-parallel-size") == "2"
 
 
 def test_sglang_argv() -> None:
