@@ -133,6 +133,11 @@ def _is_glu(name: str) -> bool:
     return name.endswith("linear_fc1.weight")
 
 
+def held_whole(name: str, local: torch.Tensor) -> bool:
+    """Does this rank hold the whole tensor `name` (no tensor-parallel cut)?"""
+    return _tp_split(name, local)[0] == 1
+
+
 def shard(name: str, full: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     size, rank, _ = _tp_split(name, local)
     if size == 1:

@@ -34,7 +34,8 @@ from moerl.rollout.speculative.config import SpeculativeConfig
 from moerl.rollout.speculative_decode import SpeculativeDecoder
 from moerl.rollout.static_decode import DecodeRow, StaticDecoder
 from moerl.rollout.types import GenerationRequest, LogprobMode, RequestError, Sample
-from moerl.rollout.weight_group import GroupSpec, Manifest, WeightGroup, open_group, receive
+from moerl.rollout.weight_group import GroupSpec, Manifest, WeightGroup, open_group
+from moerl.rollout.weight_receive import BufferPool, install, stage
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +80,7 @@ class MegatronEngine:
         self.model = model
         self.arch = arch  # needed by updates over a weight group (global tensor names)
         self._weight_group: WeightGroup | None = None
-        # Bucket buffers of streamed versions: those the weights are views of, and
-        # those of the version before, free to receive the next one into.
-        self._live_buffers: list[torch.Tensor] = []
-        self._spare_buffers: list[torch.Tensor] = []
+        self._buffers = BufferPool()  # of streamed versions (`rollout.weight_receive`)
         self.ranks = ranks if ranks is not None and ranks.size > 1 else None
         self.tokenizer = tokenizer
         self.max_sequence_length = max_sequence_length
@@ -259,41 +257,17 @@ class MegatronEngine:
             self.receive_on_every_rank(manifest)
 
     def receive_on_every_rank(self, manifest: Manifest) -> None:
-        from moerl.models.hf import local_tensors, shard
-
         assert self._weight_group is not None and self.arch is not None
         device = next(self.model.parameters()).device
-        full, buffers = receive(self._weight_group, manifest, device, self._spare_buffers)
-        plan: list[tuple[torch.Tensor, torch.Tensor]] = []
-        problem = None
-        for name, local in local_tensors(self.model, self.arch):
-            part = shard(name, full[name], local) if name in full else None
-            if part is None or part.shape != local.shape:
-                problem = (f"version {manifest.version}: {name} was not sent" if part is None
-                           else f"version {manifest.version}: {name} arrived as "
-                                f"{tuple(part.shape)}, this rank holds {tuple(local.shape)}")
-                break
-            plan.append((local, part))
-        ok = problem is None
+        staged = stage(self._weight_group, manifest, self.model, self.arch, self._buffers,
+                       device)
+        ok = staged.problem is None
         if self.ranks is not None:  # no rank moves unless every rank can
             ok = self.ranks.all_ok(ok)
         if not ok:
-            raise WeightLoadError(problem or f"version {manifest.version}: another rank "
-                                  "refused it")
-        swapped = False
-        with torch.no_grad():
-            for local, part in plan:
-                # On CPU the received bytes become the weight; a GPU keeps its weights'
-                # addresses (the dynamic engine's CUDA graphs read them).
-                if part.device.type == "cpu" == local.device.type and part.dtype == local.dtype:
-                    local.data = part.contiguous()
-                    swapped = True
-                else:
-                    local.copy_(part)
-        if swapped:  # the weights are views of these buffers now; the last version's are free
-            self._spare_buffers, self._live_buffers = self._live_buffers, buffers
-        else:
-            self._spare_buffers = buffers
+            raise WeightLoadError(staged.problem or f"version {manifest.version}: another "
+                                  "rank refused it")
+        install(staged, self._buffers)
         self._weights_path, self._version = None, manifest.version
         self.model.eval()
 

@@ -146,31 +146,21 @@ def receive_each(group: WeightGroup, names: Sequence[str], dtypes: Sequence[str]
         yield name, tensor
 
 
-def receive(group: WeightGroup, manifest: Manifest, device: torch.device,
-            reuse: Sequence[torch.Tensor] = ()) -> tuple[dict[str, torch.Tensor],
-                                                         list[torch.Tensor]]:
-    """Receiver: every tensor of `manifest` by name, and the bucket buffers they are
-    views of. `reuse`: buffers of an earlier version no longer in use, taken again where
-    a bucket has the same size (a fresh buffer's first touch halves the receive rate)."""
-    out: dict[str, torch.Tensor] = {}
-    used: list[torch.Tensor] = []
-    spare = list(reuse)
-    for index in buckets(manifest.tensors, manifest.bucket_bytes):
-        specs = [manifest.tensors[i] for i in index]
-        size = sum(s.nbytes for s in specs)
-        buffer = next((b for b in spare if b.numel() == size and b.device == device), None)
-        if buffer is None:
-            buffer = torch.empty(size, dtype=torch.uint8, device=device)
-        else:
-            spare.remove(buffer)
-        _broadcast(group, buffer)
-        used.append(buffer)
-        start = 0
-        for spec in specs:
-            raw = buffer[start : start + spec.nbytes]
-            dtype = dtype_of(spec.dtype)
-            if start % dtype.itemsize:  # a dtype view needs an aligned start
-                raw = raw.clone()
-            out[spec.name] = raw.view(dtype).reshape(spec.shape)
-            start += spec.nbytes
-    return out, used
+def broadcast_into(group: WeightGroup, buffer: torch.Tensor) -> None:
+    """Receiver: the next bucket's bytes into `buffer` (its size)."""
+    _broadcast(group, buffer)
+
+
+def views_of(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
+    """The tensors of one received bucket, views of its bytes (a copy where a dtype's
+    alignment forbids a view)."""
+    out: list[torch.Tensor] = []
+    start = 0
+    for spec in specs:
+        raw = buffer[start : start + spec.nbytes]
+        dtype = dtype_of(spec.dtype)
+        if start % dtype.itemsize:  # a dtype view needs an aligned start
+            raw = raw.clone()
+        out.append(raw.view(dtype).reshape(spec.shape))
+        start += spec.nbytes
+    return out
