@@ -25,6 +25,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from local_servers import rollout_server
+from sandbox_owners import SandboxOwners
 
 from moerl.data.rl_batch import pack, plan_microbatches
 from moerl.data.tokenizer import ByteTokenizer
@@ -90,12 +91,16 @@ def test_rl_run_on_agent_tasks_through_the_stages(tmp_path: Path) -> None:
             "rl.agent.max_observation_tokens=128", "rl.agent.max_episode_tokens=900",
             "data.train_size=8", "data.eval_size=2", f"run_dir={run}"]  # fmt: skip
     start = time.monotonic()
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    with SandboxOwners() as sandboxes:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     print(f"2 agent RL steps through the stages: {time.monotonic() - start:.0f}s")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    # Every episode ran on the environment server (the trainer holds no sandbox).
+    # Every episode ran on the environment server, and no sandbox descended from the
+    # trainer's processes.
     assert "environment server: 4 sessions opened" in proc.stdout + proc.stderr
+    assert sandboxes.stages.get("environment") and "trainer" not in sandboxes.stages, (
+        sandboxes.stages)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/tokens" in r]
     assert [r["step"] for r in steps] == [0, 1]

@@ -1,6 +1,7 @@
 """`moerl serve env` as the trainer uses it, through `RemoteEnvironment`: episodes of
 shipped tasks scored on the server, sessions closed when idle, a full server refusing
-new sessions, and an environment that crashes recreated from its last snapshot."""
+new sessions, an environment that crashes recreated from its last snapshot, and an
+episode whose server is killed going on on another server."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,12 +18,19 @@ import httpx
 import pytest
 
 from moerl.agent.remote import EnvironmentServers, RemoteEnvironment
+from moerl.agent.scheduler import AgentScheduler, SchedulerConfig
 from moerl.agent.suite import select_tasks
+from moerl.agent.tasks import ScriptedPolicy, tagged
 from moerl.agent.tools import ToolCall
+from moerl.data.tokenizer import ByteTokenizer
 from moerl.rendezvous import discover, wait_healthy
+from moerl.rollout.types import Sample, SamplingParams
 
 pytestmark = pytest.mark.sandbox
 ENVS = Path(__file__).with_name("envs")
+
+
+SERVERS: dict[str, subprocess.Popen[bytes]] = {}  # URL -> process, while it runs
 
 
 @contextmanager
@@ -42,8 +50,10 @@ def env_server(tmp: Path, *flags: str) -> Iterator[str]:
     try:
         (url,) = discover(rendezvous, "environment", 1, timeout=120, check=alive)
         wait_healthy(url, timeout=30, check=alive)
+        SERVERS[f"http://{url}"] = proc
         yield f"http://{url}"
     finally:
+        SERVERS.pop(f"http://{url}", None)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
         assert proc.stdout is not None
@@ -106,3 +116,47 @@ def test_a_crashed_environment_is_recreated_from_its_last_snapshot(tmp_path: Pat
         assert "kept.txt" in listing.text and "lost.txt" not in listing.text
         assert httpx.get(f"{url}/health").json()["recreated"] == 1
         env.close()
+
+
+class _KillsItsServer:
+    """The task's scripted solution as the policy; before its second action it kills
+    (SIGKILL) the server that holds the episode's session."""
+
+    def __init__(self, policy: ScriptedPolicy, env: list[RemoteEnvironment]) -> None:
+        self.policy, self.env, self.turns = policy, env, 0
+        self.killed: str | None = None
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int = 1,
+                 sampling: SamplingParams | None = None) -> list[list[Sample]]:
+        self.turns += 1
+        if self.turns == 2:
+            (env,) = self.env
+            assert env.url is not None
+            self.killed = env.url
+            SERVERS[env.url].kill()
+            SERVERS[env.url].wait(timeout=30)
+        return self.policy.generate(prompts, n, sampling)
+
+
+def test_an_episode_whose_server_is_killed_goes_on_on_another(tmp_path: Path) -> None:
+    (task,) = select_tasks(["logs-count-errors"])
+    tokenizer = ByteTokenizer()
+    with env_server(tmp_path) as first, env_server(tmp_path) as second:
+        servers = EnvironmentServers([first, second])
+        made: list[RemoteEnvironment] = []
+
+        def environment() -> RemoteEnvironment:
+            made.append(RemoteEnvironment(servers))
+            return made[-1]
+
+        policy = _KillsItsServer(ScriptedPolicy({task.id: task.solution}, tokenizer), made)
+        scheduler = AgentScheduler(policy, environment, tokenizer,
+                                   SchedulerConfig(max_turns=8, step_timeout_s=60))
+        (traj,) = scheduler.run([tagged(task.task)])
+        assert policy.killed == first  # the session was on the first server
+        # scored as an uninterrupted episode: solved, no infra failure
+        assert traj.reward == 1.0 and traj.infra_error is None, traj
+        assert len(traj.faults) == 1 and first in traj.faults[0]
+        assert made[0].moved == 1
+        health = httpx.get(f"{second}/health").json()
+        assert health["opened"] == 1

@@ -5,8 +5,12 @@ runs every command of an episode elsewhere.
 The session is opened at `reset`, on the server with the fewest sessions this client
 has open (a full server, HTTP 429, is skipped). A server that cannot be reached, or a
 session it lost (HTTP 404: closed, timed out), makes the call an environment fault
-(an observation's `fault`, a verification's `infra_error`): the scheduler restores or
-counts the episode as an infra failure, never as the model's.
+(an observation's `fault`, a verification's `infra_error`), and the scheduler asks
+for a restore. A session whose server is gone is then retried elsewhere: a new
+session (on another server where one answers), the task reset and the episode's
+actions up to its last snapshot replayed, as the snapshot held them; the scheduler
+replays the rest. Only when that fails too is the episode an infra failure, never
+the model's.
 """
 
 from __future__ import annotations
@@ -40,10 +44,11 @@ class EnvironmentServers:
         self._lock = threading.Lock()
         self.http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False)
 
-    def open(self) -> tuple[str, str, tuple[ToolSpec, ...]]:
-        """(server URL, session id, its tools) of a new session."""
+    def open(self, avoid: str | None = None) -> tuple[str, str, tuple[ToolSpec, ...]]:
+        """(server URL, session id, its tools) of a new session; `avoid` (a server that
+        just failed) is tried last."""
         with self._lock:
-            order = sorted(self.urls, key=lambda u: self.open_sessions[u])
+            order = sorted(self.urls, key=lambda u: (u == avoid, self.open_sessions[u]))
         body = {} if self.environment is None else {"environment": self.environment}
         refused = []
         for url in order:
@@ -91,6 +96,10 @@ class RemoteEnvironment:
         self.url: str | None = None
         self.sid: str | None = None
         self._tools: tuple[ToolSpec, ...] = ()
+        self._task: AgentTask | None = None
+        self._calls: list[ToolCall] = []  # executed since the reset, to replay elsewhere
+        self._at_snapshot = 0  # of them, those the last snapshot holds
+        self.moved = 0  # sessions retried on a new session after their server failed
 
     @property
     def tools(self) -> tuple[ToolSpec, ...]:
@@ -102,42 +111,79 @@ class RemoteEnvironment:
         return self.servers.post(self.url, f"/sessions/{self.sid}/{action}", body)
 
     def reset(self, task: AgentTask) -> Observation:
+        self._task, self._calls, self._at_snapshot = task, [], 0
         try:
             if self.sid is None:
                 self.url, self.sid, self._tools = self.servers.open()
-            data = self._session("reset", {"task": {**asdict(task), "files": dict(task.files)}})
+            data = self._session("reset", _task_body(task))
         except EnvironmentServerError as exc:
             return Observation("", fault=str(exc))
         return Observation(**data)
 
     def step(self, call: ToolCall) -> Observation:
         try:
-            data = self._session("step", {"call": {"name": call.name,
-                                                   "arguments": dict(call.arguments)}})
+            data = self._session("step", _call_body(call))
         except EnvironmentServerError as exc:
             return Observation("", fault=str(exc))
+        self._calls.append(call)
         return Observation(**data)
 
     def verify(self) -> VerifyResult:
         try:
             data = self._session("verify")
         except EnvironmentServerError as exc:
-            return VerifyResult(None, infra_error=str(exc))
+            if not self._retry_elsewhere(len(self._calls)):
+                return VerifyResult(None, infra_error=str(exc))
+            return self.verify()
         return VerifyResult(**data)
 
     def snapshot(self) -> bool:
         try:
-            return bool(self._session("snapshot")["ok"])
+            saved = bool(self._session("snapshot")["ok"])
         except EnvironmentServerError:
             return False
+        if saved:
+            self._at_snapshot = len(self._calls)
+        return saved
 
     def restore(self) -> bool:
         try:
-            return bool(self._session("restore")["ok"])
+            restored = bool(self._session("restore")["ok"])
+        except EnvironmentServerError:
+            return self._retry_elsewhere(self._at_snapshot)
+        if restored:
+            del self._calls[self._at_snapshot:]
+        return restored
+
+    def _retry_elsewhere(self, replay: int) -> bool:
+        """A new session (another server first) in the state of the first `replay`
+        actions: the task reset, those actions run again. False if none could."""
+        if self._task is None:
+            return False
+        failed, calls = self.url, self._calls[:replay]
+        self.close()
+        try:
+            self.url, self.sid, self._tools = self.servers.open(avoid=failed)
+            self._session("reset", _task_body(self._task))
+            for call in calls:
+                self._session("step", _call_body(call))
+            self._calls, self._at_snapshot = calls, len(calls)
+            if replay and not self._session("snapshot")["ok"]:
+                self._at_snapshot = 0
         except EnvironmentServerError:
             return False
+        self.moved += 1
+        return True
 
     def close(self) -> None:
         if self.url is not None and self.sid is not None:
             self.servers.release(self.url, self.sid)
         self.url = self.sid = None
+
+
+def _task_body(task: AgentTask) -> dict[str, Any]:
+    return {"task": {**asdict(task), "files": dict(task.files)}}
+
+
+def _call_body(call: ToolCall) -> dict[str, Any]:
+    return {"call": {"name": call.name, "arguments": dict(call.arguments)}}
