@@ -1,4 +1,4 @@
-"""`moerl eval agent`: the shipped terminal tasks against a policy, scored by their verifiers.
+"""`moerl eval agent`: terminal tasks against a policy, scored by their verifiers.
 
 The policy is either rollout servers (OpenAI-compatible, found in a rendezvous dir or
 given by URL; `--policy server`) or the tasks' scripted solutions (`--policy scripted`,
@@ -6,6 +6,8 @@ which checks the suite and the sandbox themselves). Every episode runs through t
 agent scheduler and the real sandbox. The report is the completion rate (reward 1.0)
 over the scored episodes, overall and per category, a per-task table and a JSON file.
 Infra failures (the sandbox or the servers failed) are counted apart, never as 0.
+`--tasks-dir DIR` adds a directory of a user's own tasks; `--check DIR` checks one
+(`agent.check_tasks`).
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from rich.console import Console
 from rich.table import Table
 
 from moerl.agent.scheduler import AgentScheduler, Generator, SchedulerConfig
-from moerl.agent.suite import CATEGORIES, SuiteError, SuiteTask, select_tasks
+from moerl.agent.suite import SuiteError, SuiteTask, select_tasks
 from moerl.agent.tasks import ScriptedPolicy, tagged
 from moerl.agent.terminal import TerminalEnvironment
 from moerl.agent.trajectory import Trajectory
 from moerl.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from moerl.sandbox import Sandbox, SandboxConfig
+from moerl.sandbox.config import Isolation
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,9 @@ def summary(rows: Sequence[TaskResult]) -> dict[str, Any]:
             "mean_reward": statistics.fmean(r.reward or 0.0 for r in scored) if scored else 0.0,
         }
 
-    by_category = {c: rate([r for r in rows if r.category == c]) for c in CATEGORIES}
-    return {**rate(rows), "categories": {c: v for c, v in by_category.items() if v["tasks"]}}
+    categories = dict.fromkeys(r.category for r in rows)  # in the order they come
+    return {**rate(rows),
+            "categories": {c: rate([r for r in rows if r.category == c]) for c in categories}}
 
 
 def results_table(rows: Sequence[TaskResult], title: str) -> Table:
@@ -106,7 +110,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--url", action="append", default=[], help="a rollout server URL (repeat)")
     p.add_argument("--task", action="append", default=[], metavar="GLOB",
                    help="task ids to run, e.g. 'git-*' (repeat; default: all)")
-    p.add_argument("--category", action="append", default=[], choices=CATEGORIES)
+    p.add_argument("--category", action="append", default=[],
+                   help="only tasks of this category (repeat)")
+    p.add_argument("--tasks-dir", action="append", default=[], metavar="DIR",
+                   help="a directory of your own task files, added to the shipped ones")
+    p.add_argument("--check", metavar="DIR", default=None,
+                   help="check the task files in DIR: each solution must score 1 and each "
+                        "wrong sequence 0, with load, setup and check errors shown")
     p.add_argument("--list", action="store_true", help="list the selected tasks and exit")
     p.add_argument("--out", default="runs/eval/agent.json", help="the JSON report")
     p.add_argument("--concurrency", type=int, default=4)
@@ -141,8 +151,10 @@ def _generator(args: argparse.Namespace, tasks: Sequence[SuiteTask], tok: Tokeni
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
+    if args.check is not None:
+        return _check(Path(args.check), args.isolation, console)
     try:
-        tasks = select_tasks(args.task, args.category)
+        tasks = select_tasks(args.task, args.category, args.tasks_dir)
     except SuiteError as err:
         console.print(f"moerl eval agent: {err}", style="red", markup=False)
         return 2
@@ -177,3 +189,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if report["infra_failures"]:
         return 1
     return 1 if args.policy == "scripted" and report["solved"] != report["tasks"] else 0
+
+
+def _check(directory: Path, isolation: Isolation, console: Console) -> int:
+    from moerl.agent.check_tasks import check_dir, check_table
+
+    try:
+        rows = check_dir(directory, Sandbox(SandboxConfig(isolation=isolation)))
+    except SuiteError as err:
+        console.print(f"moerl eval agent --check: {err}", style="red", markup=False)
+        return 2
+    console.print(check_table(rows, directory))
+    passed = sum(r.passed for r in rows)
+    console.print(f"{passed}/{len(rows)} task files pass", markup=False)
+    return 0 if passed == len(rows) else 1

@@ -187,8 +187,7 @@ class TerminalEnvironment:
         self._snapshot = None
         if not self.snapshot():
             return Observation("", fault="cannot snapshot the initial work dir")
-        listing = "\n".join(sorted(task.files)) or "(empty)"
-        return Observation(f"Files in /work:\n{listing}")
+        return Observation(f"Files in /work:\n{self._listing(task)}")
 
     def step(self, call: ToolCall) -> Observation:
         if call.name == "submit":
@@ -263,6 +262,20 @@ class TerminalEnvironment:
 
     # -- helpers ------------------------------------------------------------------------
 
+    def _listing(self, task: AgentTask, most: int = 200) -> str:
+        """The work dir's files after the setup (a `.git` dir as one entry), read inside
+        the sandbox; the task's own file names if that fails."""
+        result = self._exec(["/usr/bin/find", "/work", "-mindepth", "1", "-name", ".git",
+                             "-prune", "-printf", "%P/\n", "-o", "-type", "f", "-printf",
+                             "%P\n", "-o", "-type", "l", "-printf", "%P\n"])  # fmt: skip
+        if result.status is not ExecutionStatus.OK or result.stdout_truncated:
+            names = sorted(task.files)
+        else:
+            names = sorted(result.text("stdout").splitlines())
+        if len(names) > most:
+            names = [*names[:most], f"... and {len(names) - most} more"]
+        return "\n".join(names) or "(empty)"
+
     def _command_limits(self, timeout_s: Any) -> Limits:
         base = self.config.command_limits
         if isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0:
@@ -314,7 +327,11 @@ class TerminalEnvironment:
 
 
 def _why(result: ExecutionResult) -> str:
-    return result.error or f"{result.status.value}: {result.text('stderr')[-500:]}"
+    if result.error:
+        return result.error
+    code = "" if result.exit_code is None else f" (exit code {result.exit_code})"
+    stderr = result.text("stderr")[-500:].strip()
+    return f"{result.status.value}{code}" + (f": {stderr}" if stderr else "")
 
 
 def _verdict(result: ExecutionResult, nonce: str) -> VerifyResult:

@@ -162,7 +162,7 @@ def build_agent_collector(cfg: RLConfig, max_positions: int, tokenizer: Tokenize
             f"model.max_position_embeddings ({max_positions}): the trainer forwards whole "
             "episodes; lower rl.agent.max_episode_tokens"
         )
-    tasks = select_tasks(a.tasks, a.categories)
+    tasks = select_tasks(a.tasks, a.categories, a.task_dirs)
     if environment_servers:
         return AgentCollector(tasks, None, tokenizer, a, EnvironmentServers(environment_servers))
     return AgentCollector(tasks, sandbox or Sandbox(SandboxConfig(isolation=a.isolation)),

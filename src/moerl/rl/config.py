@@ -31,14 +31,16 @@ class SamplingConfig:
 class AgentTasksConfig:
     """`rl.agent`: multi-step terminal episodes as the RL data (`rl.task_source=agent`).
 
-    Tasks come from the shipped suite (moerl.agent.suite); each RL step runs
+    Tasks come from the shipped suite (moerl.agent.suite) and the directories in
+    `task_dirs` (a user's tasks, in the same YAML format); each RL step runs
     `rl.prompts_per_step` tasks `rl.group_size` times each. Token limits bound one
     episode: the whole sequence (prompt, model turns, observations) is what the trainer
     forwards, so `max_episode_tokens` must fit the model's positions.
     """
 
     tasks: list[str] = field(default_factory=list)  # id globs, e.g. ["files-*"]; []: all
-    categories: list[str] = field(default_factory=list)  # files, fix-test, c, logs, git
+    categories: list[str] = field(default_factory=list)  # files, fix-test, c, logs, git, ...
+    task_dirs: list[str] = field(default_factory=list)  # directories of a user's task files
     max_turns: int = 4
     context_tokens: int = 1024  # what the model sees per turn (prompt + new tokens)
     max_new_tokens: int = 64  # per model turn
@@ -137,6 +139,7 @@ class RLConfig:
             from moerl.agent.suite import SuiteError, select_tasks
 
             try:
-                select_tasks(self.agent.tasks, self.agent.categories)
+                select_tasks(self.agent.tasks, self.agent.categories, self.agent.task_dirs)
             except SuiteError as err:
-                raise ValueError(f"rl.agent.tasks / rl.agent.categories: {err}") from err
+                raise ValueError(f"rl.agent.tasks / rl.agent.categories / rl.agent.task_dirs: "
+                                 f"{err}") from err

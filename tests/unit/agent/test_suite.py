@@ -1,13 +1,17 @@
 """The shipped task suite as data: it loads, covers every category, and malformed task
-files fail with the file and the field named (no sandbox needed here)."""
+files fail with the file and the field named; a user's directory of tasks adds to it
+(no sandbox needed here)."""
 
 from __future__ import annotations
 
 import collections
 import re
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from moerl.agent.suite import (
     CATEGORIES,
@@ -62,7 +66,7 @@ def _task(**change: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"category": "cooking"}, "category 'cooking' is not one of"),
+        ({"category": "two words"}, "field 'category' must be one word"),
         ({"check": None}, "missing field 'check'"),
         ({"check": "return True"}, "field 'check' must define check()"),
         ({"solution": []}, "field 'solution' must be a non-empty list"),
@@ -82,3 +86,52 @@ def test_rl_config_rejects_a_selection_that_matches_nothing() -> None:
     RLConfig(task_source="prompts", agent=AgentTasksConfig(tasks=["no-such-*"]))  # unused
     with pytest.raises(ValueError, match=re.escape("rl.agent.context_tokens: must exceed")):
         AgentTasksConfig(context_tokens=64, max_new_tokens=64)
+
+
+def test_a_user_category_and_no_wrong_sequence_are_accepted() -> None:
+    task = parse_task(_task(category="cooking", wrong=None), "t.yaml")
+    assert task.category == "cooking" and task.wrong == ()
+
+
+def _write(directory: Path, name: str, **change: Any) -> Path:
+    directory.mkdir(exist_ok=True)
+    path = directory / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(_task(id=name, **change)))
+    return path
+
+
+def test_task_dirs_add_to_the_suite_and_their_categories_select(tmp_path: Path) -> None:
+    mine = tmp_path / "mine"
+    _write(mine, "brew-tea", category="kitchen")
+    _write(mine, "boil-egg", category="kitchen")
+    tasks = select_tasks(categories=["kitchen"], dirs=[mine])
+    assert [t.id for t in tasks] == ["boil-egg", "brew-tea"]
+    assert tasks[0].source == str(mine / "boil-egg.yaml")
+    assert len(all_tasks([mine])) == len(all_tasks()) + 2
+    with pytest.raises(SuiteError, match="unknown task category 'kitchen'"):
+        select_tasks(categories=["kitchen"])  # without the directory
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda d: _write(d, "c-fix-factorial"), "task id 'c-fix-factorial' is given twice"),
+    (lambda d: _write(d, "a").rename(d / "b.yaml"), "id 'a' must match the file name"),
+    (lambda d: _write(d, "x").write_text("id: [unclosed"), "x.yaml: not valid YAML"),
+    (lambda d: d.mkdir(), "no \\*.yaml task files"),
+    (lambda d: None, "not a directory"),
+])  # fmt: skip
+def test_a_bad_task_dir_is_refused_naming_the_file(
+        tmp_path: Path, make: Callable[[Path], object], message: str) -> None:
+    directory = tmp_path / "mine"
+    make(directory)
+    with pytest.raises(SuiteError, match=message):
+        all_tasks([directory])
+
+
+def test_rl_config_loads_task_dirs_at_start_up(tmp_path: Path) -> None:
+    mine = tmp_path / "mine"
+    _write(mine, "brew-tea", category="kitchen")
+    cfg = RLConfig(task_source="agent", agent=AgentTasksConfig(
+        tasks=["brew-*"], task_dirs=[str(mine)]))
+    assert cfg.agent.task_dirs == [str(mine)]
+    with pytest.raises(ValueError, match=r"rl\.agent\.task_dirs.*not a directory"):
+        RLConfig(task_source="agent", agent=AgentTasksConfig(task_dirs=[str(tmp_path / "no")]))

@@ -1,17 +1,21 @@
-"""The terminal tasks that ship with moerl: one YAML file per task in `tasks/`.
+"""Terminal tasks: the ones that ship with moerl (one YAML file per task in `tasks/`)
+and a user's own, in the same format, from directories (`rl.agent.task_dirs`,
+`moerl eval agent --tasks-dir DIR`).
 
 Each file holds what the model is told (`instruction`), the work dir it starts from
 (`files`, plus an optional bash `setup` such as building a git history), the verifier
 (`check`: Python defining `check() -> bool | float`, run inside the sandbox by
-terminal.py's harness with its `run` and `read` helpers), a scripted `solution` and a
-plausible but `wrong` action sequence. Actions are written compactly:
+terminal.py's harness with its `run` and `read` helpers), a scripted `solution` and,
+optionally, a plausible but `wrong` action sequence. The category is free-form (the
+shipped ones are `CATEGORIES`). Actions are written compactly:
 
     - run: gcc -o hello hello.c          # {"command": ...}
     - write_file: {path: a.txt, content: "x\\n"}
     - submit
 
-The tests replay every solution (reward 1) and every wrong or empty sequence (reward 0)
-through the real sandbox, so a verifier that accepts too much fails them.
+The tests replay every shipped solution (reward 1) and every wrong or empty sequence
+(reward 0) through the real sandbox, so a verifier that accepts too much fails them;
+`moerl eval agent --check DIR` does the same for a user's directory.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -29,9 +35,10 @@ from moerl.agent.terminal import TOOLS
 from moerl.agent.tools import ToolCall, ToolCallError, parse_tool_call
 
 CATEGORIES = ("files", "fix-test", "c", "logs", "git")
+"""The shipped tasks' categories; a user's task may name any other."""
 _KEYS = {"id", "category", "instruction", "files", "setup", "check", "solution", "wrong",
          "max_turns"}  # fmt: skip
-_REQUIRED = ("id", "category", "instruction", "check", "solution", "wrong")
+_REQUIRED = ("id", "category", "instruction", "check", "solution")
 
 
 class SuiteError(ValueError):
@@ -45,7 +52,9 @@ class SuiteTask:
     solution: tuple[ToolCall, ...]
     """Solves the task (the verifier gives 1.0)."""
     wrong: tuple[ToolCall, ...]
-    """A plausible mistake (the verifier gives 0.0)."""
+    """A plausible mistake (the verifier gives 0.0); empty when the file gives none."""
+    source: str = ""
+    """The file it came from."""
 
     @property
     def id(self) -> str:
@@ -83,8 +92,9 @@ def parse_task(data: Any, where: str) -> SuiteTask:
     for key in ("id", "category", "instruction", "check"):
         if not isinstance(data[key], str) or not data[key].strip():
             raise SuiteError(f"{where}: field {key!r} must be a non-empty string")
-    if data["category"] not in CATEGORIES:
-        raise SuiteError(f"{where}: category {data['category']!r} is not one of {CATEGORIES}")
+    if any(c.isspace() for c in data["category"]):
+        raise SuiteError(f"{where}: field 'category' must be one word, got "
+                         f"{data['category']!r}")
     files = data.get("files") or {}
     if not isinstance(files, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in files.items()):  # fmt: skip
@@ -97,44 +107,74 @@ def parse_task(data: Any, where: str) -> SuiteTask:
         raise SuiteError(f"{where}: field 'max_turns' must be a positive integer")
     if "def check(" not in data["check"]:
         raise SuiteError(f"{where}: field 'check' must define check()")
-    actions = {}
+    actions: dict[str, tuple[ToolCall, ...]] = {"wrong": ()}
     for key in ("solution", "wrong"):
+        if key not in data:
+            continue
         if not isinstance(data[key], list) or not data[key]:
             raise SuiteError(f"{where}: field {key!r} must be a non-empty list of actions")
         actions[key] = tuple(parse_action(a, f"{where}: {key}[{i}]")
                              for i, a in enumerate(data[key]))  # fmt: skip
     task = AgentTask(data["id"], data["instruction"].strip(), files, data["check"],
                      max_turns=max_turns, setup=setup)  # fmt: skip
-    return SuiteTask(task, data["category"], actions["solution"], actions["wrong"])
+    return SuiteTask(task, data["category"], actions["solution"], actions["wrong"], where)
 
 
-def all_tasks() -> list[SuiteTask]:
-    """Every shipped task, sorted by id."""
+def load_task_file(path: Path | Traversable, where: str) -> SuiteTask:
+    """One task file, validated: its id must be its file name."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError) as err:
+        raise SuiteError(f"{where}: cannot read it ({err})") from err
+    except yaml.YAMLError as err:
+        raise SuiteError(f"{where}: not valid YAML ({err})") from err
+    task = parse_task(data, where)
+    if f"{task.id}.yaml" != path.name:
+        raise SuiteError(f"{where}: id {task.id!r} must match the file name "
+                         f"({task.id}.yaml)")
+    return task
+
+
+def task_files(directory: Path) -> list[Path]:
+    """The task files of a user's directory (`*.yaml`, sorted); an error naming the
+    directory when it is missing or holds none."""
+    if not directory.is_dir():
+        raise SuiteError(f"task directory {directory}: not a directory")
+    found = sorted(directory.glob("*.yaml"))
+    if not found:
+        raise SuiteError(f"task directory {directory}: no *.yaml task files")
+    return found
+
+
+def all_tasks(dirs: Sequence[str | Path] = ()) -> list[SuiteTask]:
+    """Every shipped task, sorted by id, then each of `dirs`' tasks; an id given twice
+    is an error naming both files."""
     folder = resources.files(__name__).joinpath("tasks")
-    tasks = []
-    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
-        if not entry.name.endswith(".yaml"):
-            continue
-        where = f"suite task {entry.name}"
-        try:
-            data = yaml.safe_load(entry.read_text())
-        except yaml.YAMLError as err:
-            raise SuiteError(f"{where}: not valid YAML ({err})") from err
-        task = parse_task(data, where)
-        if f"{task.id}.yaml" != entry.name:
-            raise SuiteError(f"{where}: id {task.id!r} must match the file name")
-        tasks.append(task)
+    tasks = [load_task_file(entry, f"suite task {entry.name}")
+             for entry in sorted(folder.iterdir(), key=lambda e: e.name)
+             if entry.name.endswith(".yaml")]
+    for directory in dirs:
+        tasks += [load_task_file(path, str(path)) for path in task_files(Path(directory))]
+    seen: dict[str, str] = {}
+    for task in tasks:
+        if task.id in seen:
+            raise SuiteError(f"task id {task.id!r} is given twice: {seen[task.id]} and "
+                             f"{task.source}")
+        seen[task.id] = task.source
     return tasks
 
 
-def select_tasks(patterns: Sequence[str] = (), categories: Sequence[str] = ()) -> list[SuiteTask]:
-    """Tasks whose id matches any glob in `patterns` (all when empty) and whose category
-    is in `categories` (all when empty). A pattern or category that selects nothing is
-    an error: a typo must not silently shrink an evaluation."""
-    bad = sorted(set(categories) - set(CATEGORIES))
+def select_tasks(patterns: Sequence[str] = (), categories: Sequence[str] = (),
+                 dirs: Sequence[str | Path] = ()) -> list[SuiteTask]:
+    """Tasks (shipped, and from `dirs`) whose id matches any glob in `patterns` (all when
+    empty) and whose category is in `categories` (all when empty). A pattern or category
+    that selects nothing is an error: a typo must not silently shrink an evaluation."""
+    tasks = all_tasks(dirs)
+    known = sorted({t.category for t in tasks})
+    bad = sorted(set(categories) - set(known))
     if bad:
-        raise SuiteError(f"unknown task category {bad[0]!r}; categories: {', '.join(CATEGORIES)}")
-    tasks = [t for t in all_tasks() if not categories or t.category in categories]
+        raise SuiteError(f"unknown task category {bad[0]!r}; categories: {', '.join(known)}")
+    tasks = [t for t in tasks if not categories or t.category in categories]
     for pattern in patterns:
         if not any(fnmatch.fnmatchcase(t.id, pattern) for t in tasks):
             raise SuiteError(f"task pattern {pattern!r} matches no task"
