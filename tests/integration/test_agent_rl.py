@@ -37,6 +37,7 @@ from moerl.sandbox import Sandbox, SandboxConfig
 pytestmark = pytest.mark.sandbox
 TOK = ByteTokenizer()
 SIMPLE = ["files-create-greeting", "logs-count-errors"]
+USER_TASKS = Path(__file__).with_name("user_tasks")  # a task of a user's own
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,8 @@ def test_rl_run_on_agent_tasks_through_the_stages(tmp_path: Path) -> None:
     # two steps of one task each take both, in some order.
     argv = [sys.executable, "-m", "moerl.launchers.cli", "train", "sft.steps=0",
             "rl.task_source=agent", f"rl.agent.tasks=[{SIMPLE[0]},kitchen-copy]",
-            f"rl.agent.task_dirs=[{Path(__file__).with_name('user_tasks')}]", "rl.steps=2",
+            f"rl.agent.task_dirs=[{shutil.copytree(USER_TASKS, tmp_path / 'mine')}]",
+            "rl.steps=2",
             "rl.prompts_per_step=1", "rl.group_size=2", "rl.dynamic_sampling=false",
             "rl.eval_interval=0", "rl.agent.max_turns=2", "rl.agent.max_new_tokens=24",
             "rl.agent.max_observation_tokens=128", "rl.agent.max_episode_tokens=900",

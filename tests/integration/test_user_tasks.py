@@ -63,7 +63,8 @@ def test_check_shows_each_problem_where_it_happened(tmp_path: Path) -> None:
 
 
 def test_tasks_dir_adds_them_to_an_evaluation(tmp_path: Path) -> None:
-    done = _eval("--policy", "scripted", "--tasks-dir", str(MINE), "--category", "kitchen",
+    mine = shutil.copytree(MINE, tmp_path / "mine")
+    done = _eval("--policy", "scripted", "--tasks-dir", str(mine), "--category", "kitchen",
                  "--out", str(tmp_path / "agent.json"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "kitchen-copy" in done.stdout and "completion rate 1.000 (1/1" in done.stdout

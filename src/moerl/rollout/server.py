@@ -259,9 +259,11 @@ def main(argv: list[str] | None = None) -> int:
             while not server.started:
                 await asyncio.sleep(0.05)
             port = server.servers[0].sockets[0].getsockname()[1]
-            log.info("rollout server %s on %s:%d (backend %s, weights v%d, tokenizer %s)",
-                     args.model, args.host, port, engine.backend, engine.weight_version,
-                     args.tokenizer or "bytes")
+            ranks = engine.ranks.size if engine.ranks is not None else 1
+            log.info("rollout server %s on %s:%d (backend %s, weights v%d, tokenizer %s, "
+                     "%d rank(s): tp %d, ep %d, pp %d)", args.model, args.host, port,
+                     engine.backend, engine.weight_version, args.tokenizer or "bytes", ranks,
+                     args.tp, args.ep, args.pp)
             if args.rendezvous_dir:
                 published.append(announce_endpoint(
                     args.rendezvous_dir, "rollout", args.index, args.host, port))
