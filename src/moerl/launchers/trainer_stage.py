@@ -135,7 +135,10 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
                               cfg.rl.objective_args, "rl.objective_args")
     policy = Policy.build(
         cfg.model, cfg.parallel, cfg.optim, build_objective(cfg.rl.objective, objective_cfg),
-        groups, PolicyConfig(token_budget=cfg.rl.token_budget, aux_losses=cfg.rl.aux_losses),
+        groups, PolicyConfig(
+            token_budget=cfg.rl.token_budget, aux_losses=cfg.rl.aux_losses,
+            token_advantages="reinforce_pp" if cfg.rl.advantage == "reinforce_pp" else "none",
+            kl_in_reward=cfg.rl.kl_in_reward),
         weights=weights, reference_weights=ckpt.reference_weights() if ckpt else None,
         precision=resolve_precision(cfg.precision), recompute=cfg.recompute,
     )

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from moerl.rollout.types import SamplingParams
 
-AdvantageKind = Literal["grpo", "grpo_no_std", "rloo"]
+AdvantageKind = Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp"]
 
 
 @dataclass
@@ -73,6 +73,11 @@ class PolicyConfig:
     """L of seq-mean-token-sum-norm (Dr.GRPO), e.g. the maximum response length."""
     replay_routing: bool = True
     """Replay the engine's expert choices when the samples carry them."""
+    token_advantages: Literal["none", "reinforce_pp"] = "none"
+    """reinforce_pp: the samples carry their rewards, turned into per-token REINFORCE++
+    advantages once the step's reference logprobs are known (`rl.token_returns`)."""
+    kl_in_reward: float = 0.0
+    """beta of the KL penalty in the per-token reward (reinforce_pp)."""
     aux_losses: bool = False
     """Keep the MoE load-balancing and MTP losses in the update's gradient. Off by default:
     they would also count padding tokens, whose number depends on the packing (so on the
@@ -88,7 +93,13 @@ class RLConfig:
     group_size: int = 8
     objective: str = "grpo"  # ppo_clip, grpo, dapo, gspo, cispo, dr_grpo
     objective_args: dict[str, Any] = field(default_factory=dict)  # that objective's config
+    # grpo / grpo_no_std / rloo: one advantage per sample from its group's rewards;
+    # reinforce_pp: per-token returns whitened over the step (`rl.token_returns`).
     advantage: AdvantageKind = "grpo"
+    # REINFORCE++'s KL penalty in the reward: r_t -= kl_in_reward * (log pi_old - log pi_ref)
+    # per token (0: none); with reinforce_pp only (a group baseline compares whole rewards:
+    # use the objective's KL loss term there).
+    kl_in_reward: float = 0.0
     # DAPO dynamic sampling: keep only groups whose rewards differ, generating up to
     # this many rounds of prompts to fill the step.
     dynamic_sampling: bool = True
@@ -126,6 +137,14 @@ class RLConfig:
             raise ValueError("rl.steps, rl.prompts_per_step, rl.max_generation_rounds: >= 1")
         if self.max_staleness < 0:
             raise ValueError("rl.max_staleness: must be >= 0")
+        if self.kl_in_reward < 0:
+            raise ValueError(f"rl.kl_in_reward: must be >= 0, got {self.kl_in_reward}")
+        if self.kl_in_reward and self.advantage != "reinforce_pp":
+            raise ValueError(
+                f"rl.kl_in_reward={self.kl_in_reward} with rl.advantage={self.advantage}: the "
+                "KL penalty goes into per-token returns, which only rl.advantage=reinforce_pp "
+                "computes; set rl.advantage=reinforce_pp, or rl.kl_in_reward=0 and the "
+                "objective's kl_coef (rl.objective_args.kl_coef) for a KL loss term")
         if self.mode == "async" and self.max_staleness == 0:
             raise ValueError(
                 "rl.max_staleness=0 with rl.mode=async: a batch collected while the previous "

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -184,8 +184,25 @@ class Policy:
         size = -(-len(samples) // num_minibatches)
         parts = [samples[i : i + size] for i in range(0, len(samples), size)]
         prepared = [self._prepare(part, first=i == 0) for i, part in enumerate(parts)]
+        extra: dict[str, float] = {}
+        if self.cfg.token_advantages == "reinforce_pp":
+            prepared, extra = self._reinforce_pp(prepared)
         steps = [self._step(p) for p in prepared]
-        return _average(steps)
+        return {**_average(steps), **extra}
+
+    def _reinforce_pp(self, prepared: list[_Prepared]) -> tuple[list[_Prepared], dict[str, float]]:
+        """Per-token REINFORCE++ advantages over the whole step (`rl.token_returns`)."""
+        from moerl.rl.token_returns import reinforce_pp
+
+        micro = [mb for p in prepared for mb in p.micro]
+        old = [p.old[k] if p.old is not None else None
+               for p in prepared for k in range(len(p.micro))]  # fmt: skip
+        ref = [p.ref[k] if p.ref is not None else None
+               for p in prepared for k in range(len(p.micro))]  # fmt: skip
+        new, metrics = reinforce_pp(micro, old, ref, self.cfg.kl_in_reward, 1.0,
+                                    self.groups.dp_group)
+        batches = iter(new)
+        return [replace(p, micro=[next(batches) for _ in p.micro]) for p in prepared], metrics
 
     def _prepare(self, samples: Sequence[RLSample], first: bool = True) -> _Prepared:
         """`first`: the step's first minibatch, trained before any weight moves."""

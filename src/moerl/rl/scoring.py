@@ -70,7 +70,10 @@ def score_groups(
 
 
 def advantages(rewards: torch.Tensor, kind: str) -> torch.Tensor:
-    """(G, n) rewards -> (G, n) advantages."""
+    """(G, n) rewards -> (G, n) advantages. reinforce_pp: the rewards themselves, which
+    the policy update turns into per-token advantages (`rl.token_returns`)."""
+    if kind == "reinforce_pp":
+        return rewards.clone()
     if kind == "rloo":
         return rloo(rewards)
     return group_normalized(rewards, scale_by_std=kind == "grpo")
