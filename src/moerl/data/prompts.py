@@ -181,11 +181,25 @@ def load_prompts(cfg: DataConfig) -> tuple[list[PromptRecord], list[PromptRecord
 
 @dataclass
 class PromptStream:
-    """Epochs over the records in a seeded order; `position` is all a resume needs."""
+    """Epochs over the records in a seeded order; `state()` is all a resume needs.
+
+    Online difficulty filter (`set_aside_epochs` > 0, `rl.difficulty_filter_epochs`): a
+    prompt whose last group was settled, every sample solved or every sample failed,
+    sits out the next `set_aside_epochs` epochs (`settle`), so samples go where the
+    gradient is; it comes back after them. When every prompt is set aside at once the
+    stream takes them anyway rather than stall (counted as `exhausted`).
+    """
 
     records: Sequence[PromptRecord]
     seed: int = 0
     position: int = 0
+    set_aside_epochs: int = 0
+    aside: dict[int, int] = field(default_factory=dict)
+    """record index -> the first epoch it is taken again."""
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("solved", "failed", "skipped", "exhausted"), 0))
+    _taken: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
+    """id(record) -> (its index, the epoch it was last taken in)."""
 
     def _order(self, epoch: int) -> list[int]:
         order = list(range(len(self.records)))
@@ -193,20 +207,57 @@ class PromptStream:
         return order
 
     def take(self, count: int) -> list[PromptRecord]:
-        out = []
-        for _ in range(count):
+        out: list[PromptRecord] = []
+        skipped_in_a_row = 0
+        while len(out) < count:
             epoch, index = divmod(self.position, len(self.records))
-            out.append(self.records[self._order(epoch)[index]])
+            chosen = self._order(epoch)[index]
             self.position += 1
+            if self.aside.get(chosen, 0) > epoch:
+                skipped_in_a_row += 1
+                self.counts["skipped"] += 1
+                if skipped_in_a_row < len(self.records):
+                    continue
+                self.counts["exhausted"] += 1  # all set aside: take it rather than stall
+            self.aside.pop(chosen, None)
+            skipped_in_a_row = 0
+            record = self.records[chosen]
+            self._taken[id(record)] = (chosen, epoch)
+            out.append(record)
         return out
+
+    def settle(self, record: PromptRecord, rewards: Sequence[float | None]) -> None:
+        """The outcome of `record`'s last group: all solved (every reward >= 1) or all
+        failed (every reward <= 0) sets it aside; anything else keeps it."""
+        valid = [r for r in rewards if r is not None]
+        if not self.set_aside_epochs or len(valid) < 2 or id(record) not in self._taken:
+            return
+        kind = "solved" if min(valid) >= 1.0 else "failed" if max(valid) <= 0.0 else None
+        if kind is None:
+            return
+        index, epoch = self._taken[id(record)]
+        self.aside[index] = epoch + 1 + self.set_aside_epochs
+        self.counts[kind] += 1
+
+    def metrics(self) -> dict[str, float]:
+        if not self.set_aside_epochs:
+            return {}
+        return {"data/set_aside": float(len(self.aside)),
+                **{f"data/{k}_total": float(v) for k, v in self.counts.items()}}
 
     def __iter__(self) -> Iterator[PromptRecord]:
         while True:
             yield from self.take(1)
 
-    def state(self) -> dict[str, int]:
-        """What a checkpoint keeps: the position, and what the order depends on."""
-        return {"position": self.position, "seed": self.seed, "size": len(self.records)}
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the position, what the order depends on, and with the
+        difficulty filter on, the prompts set aside."""
+        state: dict[str, Any] = {"position": self.position, "seed": self.seed,
+                                 "size": len(self.records)}
+        if self.set_aside_epochs:
+            state["aside"] = {str(k): v for k, v in self.aside.items()}
+            state["counts"] = dict(self.counts)
+        return state
 
     def restore(self, state: dict[str, Any], strict: bool = True) -> None:
         """Continue where `state()` was taken. With `strict`, a stream over another
@@ -225,3 +276,7 @@ class PromptStream:
                         "not apply to this order"
                     )
         self.position = position
+        self.aside = {int(k): int(v) for k, v in (state.get("aside") or {}).items()
+                      if 0 <= int(k) < len(self.records)}
+        self.counts.update({k: int(v) for k, v in (state.get("counts") or {}).items()
+                            if k in self.counts})

@@ -65,7 +65,9 @@ def _controller(cfg: RunConfig, root: Path, records: list[PromptRecord],
         timeout_s=cfg.rewards.timeout_s), seed=cfg.rl.seed)
     return Controller(
         engines=engines, judges=judges,
-        prompts=PromptStream(records, seed=cfg.data.seed), held_out=held_out,
+        prompts=PromptStream(records, seed=cfg.data.seed,
+                             set_aside_epochs=cfg.rl.difficulty_filter_epochs),
+        held_out=held_out,
         encode=lambda record: encode_prompt(tok, record.prompt, record.messages),
         stop_token_ids=tok.stop_ids,
         logger=MetricsLogger(cfg.logger, root, to_dict(cfg)),

@@ -104,6 +104,9 @@ class RLConfig:
     # this many rounds of prompts to fill the step.
     dynamic_sampling: bool = True
     max_generation_rounds: int = 3
+    # Online difficulty filter: a prompt whose last group was all solved or all failed
+    # sits out this many epochs of the prompt stream (0: off; prompts, not agent tasks).
+    difficulty_filter_epochs: int = 0
     # Soft overlong penalty: the last `overlong_buffer` tokens before max_tokens cost
     # up to `overlong_penalty` reward (0 disables).
     overlong_buffer: int = 0
@@ -137,6 +140,11 @@ class RLConfig:
             raise ValueError("rl.steps, rl.prompts_per_step, rl.max_generation_rounds: >= 1")
         if self.max_staleness < 0:
             raise ValueError("rl.max_staleness: must be >= 0")
+        if self.difficulty_filter_epochs < 0:
+            raise ValueError("rl.difficulty_filter_epochs: must be >= 0 (0: off)")
+        if self.difficulty_filter_epochs and self.task_source == "agent":
+            raise ValueError("rl.difficulty_filter_epochs: filters the prompt stream; agent "
+                             "tasks (rl.task_source=agent) are drawn without it, set it to 0")
         if self.kl_in_reward < 0:
             raise ValueError(f"rl.kl_in_reward: must be >= 0, got {self.kl_in_reward}")
         if self.kl_in_reward and self.advantage != "reinforce_pp":

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch.distributed as dist
 
@@ -71,13 +72,16 @@ def collect(ctl: Controller, cfg: RLConfig, step: int) -> Batch:
                                              stop_token_ids=ctl.stop_token_ids))
         with timer.phase("reward"):
             scored, reward_metrics = score_groups(ctl.judges, records, groups, step)
+        for group in scored:  # settled prompts sit out epochs (rl.difficulty_filter_epochs)
+            ctl.prompts.settle(group.record, group.rewards(cfg))
         seen += scored
         kept += [g for g in scored if g.informative] if cfg.dynamic_sampling else scored
         if len(kept) >= cfg.prompts_per_step or not cfg.dynamic_sampling:
             break
     kept = kept[: cfg.prompts_per_step]
     metrics = {**group_metrics(seen, cfg), **reward_metrics, **timer.as_metrics(),
-               **speculation_metrics(s for g in seen for s in g.samples)}
+               **speculation_metrics(s for g in seen for s in g.samples),
+               **ctl.prompts.metrics()}
     return Batch(training_samples(kept, cfg), metrics)
 
 
@@ -111,7 +115,7 @@ class StepEnd:
     """What `on_step_end` learns after a step trained and its weights were pushed."""
 
     step: int
-    prompts: dict[str, int] | None
+    prompts: dict[str, Any] | None
     """Controller only: the PromptStream state where the next step's prompts begin."""
     collected_ahead: int = 0
     """Async: batches already collected for later steps (a resume collects them again)."""
@@ -202,7 +206,7 @@ class _Producer:
         self.slots = threading.Semaphore(max(cfg.max_staleness, 1))
         self.stopping = threading.Event()
         self.lock = threading.Lock()
-        self.starts: dict[int, dict[str, int]] = {}  # step -> stream state before collecting it
+        self.starts: dict[int, dict[str, Any]] = {}  # step -> stream state before collecting it
         self.thread = threading.Thread(target=self._run, args=(ctl, cfg, start_step),
                                        name="rl-producer", daemon=True)
         self.thread.start()
