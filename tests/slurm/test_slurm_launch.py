@@ -138,7 +138,9 @@ def test_het_job_server_and_client(slurm_cluster: SlurmCluster, tmp_path: Path) 
     ]
     # torchrun ran the rank; the master is the first node of the trainer's group
     assert (got["RANK"], got["WORLD_SIZE"], got["MASTER_ADDR"]) == ("0", "1", "127.0.0.1")
-    assert "trainer master n1 (127.0.0.1:" in log
+    # het group 0 (the trainer) is listed first; its first node is the master
+    trainer_node = slurm_cluster.job_fields(done.job_id, "NodeList")[0]  # one node
+    assert f"trainer master {trainer_node} (127.0.0.1:" in log, (trainer_node, log)
     assert got["CUDA_VISIBLE_DEVICES"] == "0,1"
     # every step is gone once the job has ended
     assert slurm_cluster.job_field(done.job_id, "JobState") == "COMPLETED"
