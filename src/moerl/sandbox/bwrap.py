@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shlex
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from moerl.sandbox.config import Limits, SandboxConfig
@@ -44,12 +45,14 @@ def bwrap_argv(
     argv: Sequence[str],
     *,
     seccomp_fd: int,
+    status_fd: int,
     extra_ro_binds: Sequence[tuple[Path, str]] = (),
 ) -> list[str]:
     """bwrap with every namespace unshared (network included), the unprivileged uid, no
     capabilities, a new session (no TIOCSTI on the caller's terminal), death with the
     parent, and a filesystem of read-only runtime files, a tmpfs /tmp and one writable
-    work dir."""
+    work dir. bwrap writes `{"child-pid": N}` to `status_fd`: N is its pid 1 inside,
+    the one process of the execution that is not the program's."""
     args = [
         config.bwrap_path,
         "--unshare-all",
@@ -60,6 +63,7 @@ def bwrap_argv(
         "--new-session",
         "--clearenv",
         "--hostname", "sandbox",
+        "--json-status-fd", str(status_fd),
     ]  # fmt: skip
     for key, value in _SANDBOX_ENV.items():
         args += ["--setenv", key, value]
@@ -79,21 +83,55 @@ def bwrap_argv(
     return [*args, "--", *argv]
 
 
-def starter_argv(started_fd: int, channel_fd: int | None, argv: Sequence[str], *,
-                 gate_fd: int | None = None) -> list[str]:
-    """The first process inside: it writes one byte to `started_fd`, closes it and execs
-    the program. A byte there proves bwrap finished its set-up, so a failure without it
-    is the sandbox's (an infra error), and one with it is the program's. The program
-    cannot fake either: the pipe is closed before it runs. With `gate_fd` (a warm slot)
-    it then waits for one byte on that pipe before the exec, and exits without running
-    the program when the pipe closes empty. bash, not dash, because dash cannot
-    redirect to fds above 9."""
-    script = f"printf S >&{started_fd} && exec {started_fd}>&- && "
-    if gate_fd is not None:
-        script += f"IFS= read -r -n 1 -u {gate_fd} _ && exec {gate_fd}<&- && "
-    if channel_fd is not None:
-        script += f"export {CHANNEL_ENV_NAME}={channel_fd} && "
-    return ["/bin/bash", "--norc", "--noprofile", "-c", script + 'exec "$@"', "moerl-start", *argv]
+@dataclass(frozen=True)
+class StarterFds:
+    """The fds (numbers inside) the starter is handed, besides bwrap's own stdio."""
+
+    started: int
+    stdout: int
+    stderr: int
+    channel: int | None = None
+    gate: int | None = None
+
+
+GATE_BYTES = b"G\n"
+"""What opens a warm slot's gate (a line: the waiter is dash, whose `read` takes lines)."""
+
+
+def starter_argv(fds: StarterFds, argv: Sequence[str]) -> list[str]:
+    """The first process inside: it makes `fds.stdout`/`fds.stderr` its stdout and
+    stderr, writes one byte to `fds.started`, closes it and execs the program. A byte
+    there proves bwrap finished its set-up, so a failure without it is the sandbox's
+    (an infra error), and one with it is the program's. The program cannot fake either:
+    the pipe is closed before it runs. With `fds.gate` (a warm slot) it then waits for
+    `GATE_BYTES` on that pipe before the exec, and exits without running the program
+    when the pipe closes first.
+
+    The program's output pipes are not bwrap's stdio: bwrap's monitor and pid 1 close
+    every fd but their stdio, so the program's pipes reach EOF when the program's last
+    process is gone, not when pid 1 has finished unmounting the namespaces (bwrap's
+    own messages go to its stderr, a pipe of their own). bash, because dash cannot
+    redirect fds above 9; but a warm slot waits in dash: the exec that starts the
+    program tears the waiter's memory down, and dash has less of it (~0.15 ms here)."""
+    script = f"exec 1>&{fds.stdout} 2>&{fds.stderr} {fds.stdout}>&- {fds.stderr}>&- && "
+    if fds.channel is not None:
+        script += f"export {CHANNEL_ENV_NAME}={fds.channel} && "
+    if fds.gate is None:
+        script += f'printf S >&{fds.started} && exec {fds.started}>&- && exec "$@"'
+        return ["/bin/bash", "--norc", "--noprofile", "-c", script, "moerl-start", *argv]
+    gate, started = _free_low_fds(fds)
+    script += f"exec {gate}<&{fds.gate} {started}>&{fds.started} "
+    script += f"{fds.gate}<&- {fds.started}>&- && "
+    wait = f"printf S >&{started} && exec {started}>&- && read _ <&{gate} && exec {gate}<&- && "
+    script += f'exec /bin/sh -c {shlex.quote(wait + 'exec "$@"')} moerl-wait "$@"'
+    return ["/bin/bash", "--norc", "--noprofile", "-c", script, "moerl-start", *argv]
+
+
+def _free_low_fds(fds: StarterFds) -> tuple[int, int]:
+    """Two fds from 3-9 (all dash can name) that none of the starter's pipes uses."""
+    taken = {fds.started, fds.stdout, fds.stderr, fds.channel, fds.gate}
+    free = [fd for fd in range(3, 10) if fd not in taken]
+    return free[0], free[1]
 
 
 def rlimit_commands(limits: Limits) -> list[str]:

@@ -102,22 +102,42 @@ def _enable_v2_controllers(base: Path) -> None:
         (group / "cgroup.subtree_control").write_text(enable)
 
 
-def _read_int(path: Path, default: int = 0) -> int:
+def _read_small(path: Path, fd: int | None = None) -> str:
+    """A cgroup file of a few lines ("" when unreadable): one pread of `fd` when it is
+    held open, else one open and one read."""
+    if fd is not None:
+        try:
+            return os.pread(fd, 4096, 0).decode("ascii", "replace")
+        except OSError:
+            return ""
     try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        return os.read(fd, 4096).decode("ascii", "replace")
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+
+
+def _first_int(text: str, default: int = 0) -> int:
+    try:
+        return int(text.split()[0])
+    except (ValueError, IndexError):
         return default
 
 
-def _read_keyed(path: Path, key: str) -> int:
+def _keyed(text: str, key: str) -> int:
     """Value of `key N` in a flat-keyed file such as memory.events."""
-    try:
-        for line in path.read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 2 and parts[0] == key:
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == key:
+            try:
                 return int(parts[1])
-    except (OSError, ValueError):
-        pass
+            except ValueError:
+                return 0
     return 0
 
 
@@ -135,6 +155,7 @@ class Cgroup:
     def __init__(self, layout: CgroupLayout, run_name: str) -> None:
         self.layout = layout
         self.dirs = {c: base / run_name for c, base in layout.bases.items()}
+        self._held: dict[Path, int] = {}
 
     def create(self, memory_bytes: int, max_pids: int) -> None:
         for d in self.dirs.values():
@@ -153,27 +174,63 @@ class Cgroup:
                 (d / "memory.swap.max").write_text("0")
             (d / "pids.max").write_text(str(max_pids))
 
+    @property
+    def accounts_cpu(self) -> bool:
+        """The group's counters hold the tree's CPU time (cpuacct on v1; always on v2)."""
+        return self.layout.version == 2 or "cpuacct" in self.dirs
+
     def procs_files(self) -> list[Path]:
         """The files a new process writes its pid into to join every group."""
         return [d / "cgroup.procs" for d in self.dirs.values()]
 
+    def hold_counters(self) -> None:
+        """Open the counters read at the end of every execution (`stats`, `tasks`) now,
+        so that reading them then is one pread each. Not cgroup.procs: on v1 an open
+        file keeps the pid list of its first read. `remove` closes them."""
+        for path in [*self._counter_files(), self._pids_dir() / "pids.current"]:
+            with contextlib.suppress(OSError):
+                self._held[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def tasks(self) -> int | None:
+        """Tasks charged to the group: alive, or dead but not reaped yet; None when the
+        counter cannot be read."""
+        count = _first_int(self._read(self._pids_dir() / "pids.current"), -1)
+        return count if count >= 0 else None
+
+    def _pids_dir(self) -> Path:
+        return self.dirs["pids"] if self.layout.version == 1 else self.dirs["unified"]
+
+    def _counter_files(self) -> list[Path]:
+        if self.layout.version == 1:
+            mem, pids = self.dirs["memory"], self.dirs["pids"]
+            files = [mem / "memory.max_usage_in_bytes", mem / "memory.oom_control",
+                     pids / "pids.events"]  # fmt: skip
+            cpu = self.dirs.get("cpuacct")
+            return [*files, cpu / "cpuacct.usage"] if cpu else files
+        d = self.dirs["unified"]
+        return [d / "memory.peak", d / "cpu.stat", d / "memory.events", d / "pids.events"]
+
+    def _read(self, path: Path) -> str:
+        return _read_small(path, self._held.get(path))
+
     def stats(self) -> CgroupStats:
+        read = self._read
         if self.layout.version == 1:
             mem, pids = self.dirs["memory"], self.dirs["pids"]
             cpu = self.dirs.get("cpuacct")
             return CgroupStats(
-                cpu_time_s=_read_int(cpu / "cpuacct.usage") / 1e9 if cpu else None,
-                peak_memory_bytes=_read_int(mem / "memory.max_usage_in_bytes"),
-                oom_killed=_read_keyed(mem / "memory.oom_control", "oom_kill") > 0,
-                pids_limit_hit=_read_keyed(pids / "pids.events", "max") > 0,
+                cpu_time_s=_first_int(read(cpu / "cpuacct.usage")) / 1e9 if cpu else None,
+                peak_memory_bytes=_first_int(read(mem / "memory.max_usage_in_bytes")),
+                oom_killed=_keyed(read(mem / "memory.oom_control"), "oom_kill") > 0,
+                pids_limit_hit=_keyed(read(pids / "pids.events"), "max") > 0,
             )
         d = self.dirs["unified"]
-        peak = _read_int(d / "memory.peak", -1)
+        peak = _first_int(read(d / "memory.peak"), -1)
         return CgroupStats(
-            cpu_time_s=_read_keyed(d / "cpu.stat", "usage_usec") / 1e6,
+            cpu_time_s=_keyed(read(d / "cpu.stat"), "usage_usec") / 1e6,
             peak_memory_bytes=peak if peak >= 0 else None,
-            oom_killed=_read_keyed(d / "memory.events", "oom_kill") > 0,
-            pids_limit_hit=_read_keyed(d / "pids.events", "max") > 0,
+            oom_killed=_keyed(read(d / "memory.events"), "oom_kill") > 0,
+            pids_limit_hit=_keyed(read(d / "pids.events"), "max") > 0,
         )
 
     def pids(self) -> set[int]:
@@ -182,6 +239,20 @@ class Cgroup:
             with contextlib.suppress(OSError):
                 found.update(int(p) for p in procs.read_text().split())
         return found
+
+    def members(self) -> set[int]:
+        """The pids of one group: every process joins all of them before bwrap starts and
+        cannot move out (no cgroupfs inside), so one file says who is left."""
+        return {int(p) for p in _read_small(self.procs_files()[0]).split()}
+
+    def wait_empty(self, timeout_s: float) -> bool:
+        """Poll until no process is left (True), or `timeout_s` passes (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self.members():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
     def kill_all(self, timeout_s: float = 5.0) -> bool:
         """Kill every process in the group, including setsid'd daemons; True when empty."""
@@ -213,6 +284,8 @@ class Cgroup:
             state.write_text("THAWED")
 
     def remove(self) -> None:
+        while self._held:
+            os.close(self._held.popitem()[1])
         for d in self.dirs.values():
             for _ in range(100):
                 try:

@@ -5,25 +5,35 @@ has its own cgroup, work dir and pipes; fds are handed to the child only through
 `pass_fds`, so one run never inherits another's pipes. Note that `--die-with-parent`
 is tied to the *thread* that started bwrap: `run` blocks in that thread until the end,
 and warm slots (warm.py) are launched by the pool's own long-lived thread.
+
+A result is returned once every process of the program is dead: its pipes are at EOF
+and, with cgroups, the execution's group counts no task but bwrap's own two (pid 1 may
+still be unmounting the namespaces); a process of the program left behind is killed
+first. Without cgroups, pid 1 itself must have exited. Reaping bwrap and removing the
+group and the work dir happen afterwards in the background (cleanup.py).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from moerl.sandbox.cgroups import CgroupLayout, CgroupUnavailable, detect, sweep_stale
+from moerl.sandbox.cgroups import Cgroup, CgroupLayout, CgroupUnavailable, detect, sweep_stale
+from moerl.sandbox.cleanup import Cleaner
 from moerl.sandbox.config import WEAKER_MODE_NOTICE, Limits, SandboxConfig
-from moerl.sandbox.launch import Launched, finish, launch, new_group
+from moerl.sandbox.launch import Launched, close, finish, launch, new_group
 from moerl.sandbox.result import ExecutionResult, sandbox_error
 from moerl.sandbox.seccomp import SeccompUnsupported, build_filter
 from moerl.sandbox.warm import LaunchSignature, Slot, WarmPool
 from moerl.sandbox.workspace import Workspace, readable_copy, sweep_stale_workspaces
 
 log = logging.getLogger(__name__)
+_BWRAP_EXIT_S = 1.0
+"""How long bwrap may take to exit after the program (pid 1 unmounts) before it is killed."""
 
 
 class SandboxUnavailable(RuntimeError):
@@ -34,6 +44,7 @@ class Sandbox:
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig()
         self._runs = itertools.count()
+        self._cleaner = Cleaner()
         bwrap = Path(self.config.bwrap_path)
         if not (bwrap.is_file() and os.access(bwrap, os.X_OK)):
             raise SandboxUnavailable(
@@ -69,7 +80,7 @@ class Sandbox:
         return Workspace(self.config.work_root, (self.config.sandbox_uid, self.config.sandbox_gid))
 
     def clamp(self, limits: Limits | None) -> Limits:
-        return (limits or self.config.default_limits).clamped_to(self.config.max_limits)
+        return _clamped(limits or self.config.default_limits, self.config.max_limits)
 
     def run(
         self,
@@ -95,7 +106,7 @@ class Sandbox:
         try:
             return finish(launched, stdin)
         finally:
-            self._teardown(launched)
+            self._end(launched, None, None)
 
     def run_fresh(
         self,
@@ -111,8 +122,13 @@ class Sandbox:
         (`SandboxConfig.warm_slots`). `starts_on_stdin`: the program does nothing before
         it reads its stdin, so a warm slot may start it ahead of the request."""
         try:
-            signature = LaunchSignature(tuple(argv), self.clamp(limits), channel,
-                                        tuple(self._binds(extra_ro_binds)), starts_on_stdin)
+            signature = LaunchSignature(
+                tuple(argv),
+                self.clamp(limits),
+                channel,
+                tuple(self._binds(extra_ro_binds)),
+                starts_on_stdin,
+            )
         except OSError as exc:
             return sandbox_error(f"cannot bind {exc.filename} into the sandbox: {exc.strerror}")
         warm = self._warm
@@ -123,23 +139,28 @@ class Sandbox:
             if isinstance(made, ExecutionResult):
                 return made
             slot = made
+        released = functools.partial(warm.release, signature) if warm and taken else None
         try:
             return finish(slot.launched, stdin)
         finally:
-            self._teardown(slot.launched)
-            slot.workspace.remove()
-            if warm is not None and taken:
-                warm.release(signature)
+            self._end(slot.launched, slot.workspace, released)
 
     @property
     def warm_pool(self) -> WarmPool | None:
         return self._warm
 
+    def wait_cleanup(self) -> None:
+        """Return once the groups and work dirs of every execution finished so far are
+        removed (they are removed in the background after each result)."""
+        self._cleaner.drain()
+
     def close(self) -> None:
-        """Stop the warm pool (idle slots killed, their groups and work dirs removed)."""
+        """Stop the warm pool (idle slots killed, their groups and work dirs removed) and
+        finish every pending removal."""
         if self._warm is not None:
             self._warm.close()
             self._warm = None
+        self._cleaner.close()
 
     def _binds(self, extra_ro_binds: Sequence[tuple[Path, str]]) -> list[tuple[Path, str]]:
         return [(readable_copy(host, self.config.work_root), inside)
@@ -147,8 +168,14 @@ class Sandbox:
 
     def _launch_slot(self, signature: LaunchSignature) -> Slot | ExecutionResult:
         workspace = self.workspace()
-        launched = self._launch(signature.argv, workspace, signature.limits, signature.channel,
-                                signature.binds, gated=not signature.starts_on_stdin)
+        launched = self._launch(
+            signature.argv,
+            workspace,
+            signature.limits,
+            signature.channel,
+            signature.binds,
+            gated=not signature.starts_on_stdin,
+        )
         if isinstance(launched, ExecutionResult):
             workspace.remove()
             return launched
@@ -174,9 +201,46 @@ class Sandbox:
             group.remove()
         return launched
 
-    @staticmethod
-    def _teardown(launched: Launched) -> None:
-        if launched.group is not None:
-            if not launched.group.kill_all():
-                log.error("sandbox cgroup %s did not empty", launched.group.dirs)
-            launched.group.remove()
+    def _end(
+        self, launched: Launched, workspace: Workspace | None, then: Callable[[], None] | None
+    ) -> None:
+        """Make sure nothing of the program runs on (kill what does), then queue the rest
+        of the teardown: closing the host's fds, reaping bwrap, removing its group and
+        `workspace` (a work dir of its own, or None); `then` is called last."""
+        group = launched.group
+        if group is not None and not launched.program_gone and launched.program_left():
+            _kill_all(group)  # a background child outlived the program
+        self._cleaner.submit(functools.partial(_release, launched, workspace, then))
+
+
+@functools.lru_cache(maxsize=256)
+def _clamped(limits: Limits, maxima: Limits) -> Limits:
+    """`Limits.clamped_to`, remembered: a request's first step, and after an idle gap the
+    validation of two fresh `Limits` costs a sizeable part of a trivial run."""
+    return limits.clamped_to(maxima)
+
+
+def _kill_all(group: Cgroup) -> None:
+    if not group.kill_all():
+        log.error("sandbox cgroup %s did not empty", group.dirs)
+
+
+def _release(
+    launched: Launched, workspace: Workspace | None, then: Callable[[], None] | None
+) -> None:
+    """Background part of an execution's teardown: close the host's fds, wait for bwrap to
+    leave the group (pid 1 is unmounting the namespaces; killed if it takes too long),
+    reap it, remove the group and the work dir; `then` runs whatever happens."""
+    try:
+        close(launched)
+        group = launched.group
+        if group is not None and not group.wait_empty(_BWRAP_EXIT_S):
+            _kill_all(group)
+        launched.reap()
+        if group is not None:
+            group.remove()
+        if workspace is not None:
+            workspace.remove()
+    finally:
+        if then is not None:
+            then()

@@ -26,16 +26,19 @@ def _exit_and_signal(wait_status: int) -> tuple[int | None, int | None]:
 def classify(
     streams: Capture,
     wait_status: int,
-    usage: resource.struct_rusage,
+    usage: resource.struct_rusage | None,
     wall: float,
     lim: Limits,
     stats: CgroupStats | None,
 ) -> ExecutionResult:
+    """`usage`: bubblewrap's rusage, None when it is reaped later (the group's counters
+    then hold the tree's CPU and memory)."""
     exit_code, sig = _exit_and_signal(wait_status)
-    rusage_cpu = usage.ru_utime + usage.ru_stime
+    rusage_cpu = usage.ru_utime + usage.ru_stime if usage is not None else 0.0
     cpu = stats.cpu_time_s if stats is not None and stats.cpu_time_s is not None else rusage_cpu
     # ru_maxrss (KiB) is the largest single process, a lower bound for the tree.
-    peak = stats.peak_memory_bytes if stats is not None else usage.ru_maxrss * 1024
+    rusage_peak = usage.ru_maxrss * 1024 if usage is not None else None
+    peak = stats.peak_memory_bytes if stats is not None else rusage_peak
     hit: list[str] = []
     if streams.timed_out:
         hit.append("wall_time")
@@ -53,7 +56,8 @@ def classify(
     error = None
     if not started and not streams.timed_out:
         status = ExecutionStatus.SANDBOX_ERROR
-        reason = bytes(streams.stderr.data[-2000:]).decode("utf-8", "replace")
+        said = bytes(streams.bwrap.data) + bytes(streams.stderr.data)
+        reason = said[-2000:].decode("utf-8", "replace")
         error = f"bubblewrap did not start the program: {reason}"
     elif streams.output_exceeded:
         status = ExecutionStatus.OUTPUT_LIMIT

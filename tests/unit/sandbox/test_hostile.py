@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from proc_scan import processes_with
 
 from moerl.sandbox import ExecutionResult, ExecutionStatus, Limits, Sandbox
 
@@ -25,19 +26,8 @@ def run_py(sandbox: Sandbox, source: str, **kw: object) -> ExecutionResult:
         return sandbox.run([PY, "-I", "main.py"], ws, **kw)  # type: ignore[arg-type]
 
 
-def processes_with(marker: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker.encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
-
-
 def assert_no_sandbox_groups_left(sandbox: Sandbox) -> None:
+    sandbox.wait_cleanup()  # groups are removed in the background after the result
     assert sandbox.layout is not None
     for base in sandbox.layout.bases.values():
         mine = [p for p in base.iterdir() if p.name.startswith(f"{os.getpid()}-")]

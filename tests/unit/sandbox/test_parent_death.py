@@ -12,23 +12,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+from proc_scan import processes_with
 
 from moerl.sandbox import Sandbox, SandboxConfig
 
 pytestmark = pytest.mark.sandbox
 SRC = Path(__file__).resolve().parents[3] / "src"
-
-
-def _marked(marker: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker.encode() in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                pass
-    return pids
 
 
 def test_sigkill_of_the_owner_kills_sandboxed_children(sandbox: Sandbox) -> None:
@@ -52,15 +41,15 @@ def test_sigkill_of_the_owner_kills_sandboxed_children(sandbox: Sandbox) -> None
     try:
         # Generous: on a loaded machine starting two interpreters in bwrap takes a while.
         deadline = time.monotonic() + 45
-        while len(_marked(marker)) < 2 and time.monotonic() < deadline:
+        while len(processes_with(marker)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(_marked(marker)) >= 2, "sandboxed processes never started"
+        assert len(processes_with(marker)) >= 2, "sandboxed processes never started"
         owner.send_signal(signal.SIGKILL)
         owner.wait()
         deadline = time.monotonic() + 15
-        while _marked(marker) and time.monotonic() < deadline:
+        while processes_with(marker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _marked(marker) == []
+        assert processes_with(marker) == []
     finally:
         owner.kill()
         owner.wait()
