@@ -132,9 +132,13 @@ class RemoteEnvironment:
         try:
             data = self._session("verify")
         except EnvironmentServerError as exc:
+            # once more elsewhere, in the state of every action so far
             if not self._retry_elsewhere(len(self._calls)):
                 return VerifyResult(None, infra_error=str(exc))
-            return self.verify()
+            try:
+                data = self._session("verify")
+            except EnvironmentServerError as again:
+                return VerifyResult(None, infra_error=str(again))
         return VerifyResult(**data)
 
     def snapshot(self) -> bool:
