@@ -23,7 +23,7 @@ from moerl.observability import LoggerConfig
 from moerl.parallel.layout import ParallelLayout
 from moerl.rewards.config import RewardStageConfig
 from moerl.rl.config import RLConfig
-from moerl.rollout.config import RolloutStageConfig
+from moerl.rollout.config import RolloutStageConfig, server_ranks
 from moerl.trainer.config import OptimConfig, SFTConfig
 from moerl.typed_config import ConfigError, from_dict
 
@@ -202,6 +202,14 @@ class RunConfig:
     init_weights: str | None = None  # weights dir the run starts from (moerl sft / hf import)
     model_from: str | None = None  # a `moerl hf import` dir whose model.json replaces `model`
 
+    @property
+    def runs_episodes(self) -> bool:
+        """Agent episodes in this run: rl.task_source=agent, or a mixture's weighted
+        terminal domain (the launcher then starts the environment servers)."""
+        data = self.data
+        return self.rl.task_source == "agent" or (data.source == "mixture" and any(
+            data.domains[n].source == "terminal" and w > 0 for n, w in data.mixture.items()))
+
     def __post_init__(self) -> None:
         check_init_weights(self.init_weights)
         check_recompute(self.precision, self.recompute)
@@ -210,6 +218,14 @@ class RunConfig:
                 f"tokenizer: rollout.engine={self.rollout.engine} serves "
                 "rollout.hf_model_dir with its own tokenizer, so the trainer must encode with "
                 "it too: set tokenizer=hf tokenizer.path=<the model's directory>")
+        check_domains(self)
+        check_routing_replay(self)
+        check_partial_rollouts(self)
+        if self.rl.advantage == "gae":
+            try:  # the critic's architecture: the model's with rl.critic.model replaced
+                self.rl.critic.arch(self.model)
+            except (TypeError, ValueError) as err:
+                raise ConfigError(f"rl.critic.model: {err}") from err
         if self.rl.sampling.max_tokens + self.data.max_prompt_tokens > (
                 self.model.max_position_embeddings):
             raise ConfigError(
@@ -217,6 +233,72 @@ class RunConfig:
                 f"{self.rl.sampling.max_tokens + self.data.max_prompt_tokens} exceeds "
                 f"model.max_position_embeddings ({self.model.max_position_embeddings})"
             )
+
+
+def check_routing_replay(cfg: RunConfig) -> None:
+    """`rl.routing_replay` needs an engine that returns the experts it routed to: a
+    moerl server on the static decoder, each layer's routers on the leader's rank."""
+    if not cfg.rl.routing_replay:
+        return
+    rollout = cfg.rollout
+    why = None
+    if rollout.engine != "moerl":
+        why = (f"rollout.engine={rollout.engine} does not return the experts it routed to; "
+               "use rollout.engine=moerl")
+    elif rollout.backend == "dynamic" or rollout.speculative != "none":
+        why = ("the static decoder without speculation returns them; set "
+               "rollout.backend=static rollout.speculative=none")
+    elif rollout.pipeline_parallel > 1:
+        why = ("with rollout.pipeline_parallel > 1 no rank holds every layer's router; set "
+               "rollout.pipeline_parallel=1")
+    elif cfg.runs_episodes:
+        why = "agent episodes (the terminal domain) do not return their routing"
+    if why is not None:
+        raise ConfigError(f"rl.routing_replay=true: {why}")
+
+
+def check_partial_rollouts(cfg: RunConfig) -> None:
+    """`rollout.partial_rollouts` needs async steps and a one-process moerl server on
+    the static decoder (the update runs between two of its decode steps)."""
+    rollout = cfg.rollout
+    if not rollout.partial_rollouts:
+        return
+    why = None
+    if cfg.rl.mode != "async":
+        why = "a sync step updates the weights only after its generation; set rl.mode=async"
+    elif rollout.engine != "moerl":
+        why = f"rollout.engine={rollout.engine} has no such update; use rollout.engine=moerl"
+    elif rollout.backend == "dynamic" or rollout.speculative != "none":
+        why = "the static decoder runs them; set rollout.backend=static rollout.speculative=none"
+    elif server_ranks(rollout) > 1:
+        why = ("a server across ranks updates between batches only; set "
+               "rollout.tensor_parallel, expert_parallel and pipeline_parallel to 1")
+    if why is not None:
+        raise ConfigError(f"rollout.partial_rollouts=true: {why}")
+
+
+def check_domains(cfg: RunConfig) -> None:
+    """A mixture's domains fit the model, and the run draws prompts from it."""
+    data, rl = cfg.data, cfg.rl
+    if data.source != "mixture":
+        return
+    if rl.task_source == "agent":
+        raise ConfigError("rl.task_source=agent with data.source=mixture: the mixture "
+                          "draws the prompts; put the agent tasks in it as a domain "
+                          "(domain=[...,terminal] data.mixture.terminal=1.0) and leave "
+                          "rl.task_source=prompts")
+    positions = cfg.model.max_position_embeddings
+    for name in data.mixture:
+        domain = data.domains[name]
+        if domain.source == "terminal":
+            continue  # episodes are bounded by rl.agent.max_episode_tokens
+        tokens = domain.sampling.max_tokens or rl.sampling.max_tokens
+        prompt = domain.max_prompt_tokens or data.max_prompt_tokens
+        if tokens + prompt > positions:
+            raise ConfigError(
+                f"data.domains.{name}: sampling.max_tokens ({tokens}) + max_prompt_tokens "
+                f"({prompt}) exceeds model.max_position_embeddings ({positions}); lower "
+                f"data.domains.{name}.max_prompt_tokens or its sampling.max_tokens")
 
 
 def load_run_config(overrides: list[str], world_size: int | None = None) -> RunConfig:

@@ -121,3 +121,33 @@ def plot_metrics(path: Path, keys: tuple[str, ...], out: Path) -> Path | None:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def plot_panels(path: Path, panels: dict[str, tuple[str, ...]], out: Path) -> Path | None:
+    """One panel per title, each a line plot of its keys over steps (the key's last
+    part, after '/', labels its line); None when no row has any key."""
+    rows = read_metrics(path)
+    series = {title: {k: [(r["step"], r[k]) for r in rows if k in r] for k in keys}
+              for title, keys in panels.items()}
+    series = {t: {k: v for k, v in ks.items() if v} for t, ks in series.items()}
+    series = {t: ks for t, ks in series.items() if ks}
+    if not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(series), figsize=(5.5 * len(series), 3.5), squeeze=False)
+    for ax, (title, keys) in zip(axes[0], series.items(), strict=True):
+        for key, points in keys.items():
+            steps, values = zip(*points, strict=True)
+            ax.plot(steps, values, marker="o", markersize=3, label=key.rsplit("/", 1)[-1])
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -1,11 +1,20 @@
 """`rl.mode=async` through the real stages (reward server with the sandbox, rollout
 server, trainer as local processes): the next step's samples are generated while the
 current one trains, so trained samples are one weight version old, never more. The
-policy update runs with full activation recompute (`recompute=full`)."""
+policy update runs with full activation recompute (`recompute=full`).
+
+The same run is PPO with a critic (`rl.advantage=gae`, one critic warm-up step, KL in
+the reward): every step logs the value loss, the explained variance and the GAE
+advantages, the policy moves from the second step on, and the checkpoint at the end
+holds the critic beside the policy. The engine returns the experts it routed to and the
+update replays them (`rl.routing_replay`). With partial rollouts a weight push lands
+between two decode steps of the next step's generation; no sample is dropped.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -13,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
 
 STEPS = 4
 
@@ -22,12 +32,14 @@ def test_async_run_trains_one_version_stale_samples(tmp_path: Path) -> None:
         pytest.skip("bubblewrap is not installed")
     run = tmp_path / "run"
     argv = [sys.executable, "-m", "moerl.launchers.cli", "train", "+experiment=demo", "sft.steps=0",
-            f"run_dir={run}", "checkpoint.dir=null", "logger.wandb_mode=disabled",
+            f"run_dir={run}", "logger.wandb_mode=disabled",
             f"rl.steps={STEPS}", "rl.prompts_per_step=2", "rl.group_size=4",
             "rl.max_generation_rounds=1", "rl.dynamic_sampling=false", "rl.mode=async",
             "rl.max_staleness=1", "rl.eval_interval=0", "data.eval_size=2",
-            "rl.sampling.max_tokens=8",
-            "recompute=full"]  # fmt: skip
+            "rl.sampling.max_tokens=8", "recompute=full",
+            "rl.advantage=gae", "rl.critic.warmup_steps=1", "rl.kl_in_reward=0.05",
+            "rl.updates_per_step=2", "rl.routing_replay=true",
+            "rollout.partial_rollouts=true"]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -40,3 +52,25 @@ def test_async_run_trains_one_version_stale_samples(tmp_path: Path) -> None:
     assert all(r["async/dropped_stale"] == 0 for r in steps)
     for r in steps:
         assert r["time/step"] > 0 and r["train/tokens"] > 0
+        for key in ("value_loss", "explained_variance", "advantages_mean", "advantages_std",
+                    "returns_mean", "values_mean", "critic_grad_norm", "kl_in_reward"):
+            assert math.isfinite(r[f"train/{key}"]), (key, r)
+        assert r["train/value_loss"] > 0 and r["train/advantages_std"] > 0
+        assert r["rollout/routed_samples"] == 1.0  # the engine's routing, replayed
+        assert r["async/spanning_versions"] >= 0 and r["async/masked_stale_tokens"] == 0
+    # Warm-up: the first step trains the critic alone, then the policy moves too.
+    assert [r["train/critic_warmup"] for r in steps] == [1.0] + [0.0] * (STEPS - 1)
+    assert "train/loss" not in steps[0] and all("train/loss" in r for r in steps[1:])
+    assert steps[0]["train/values_mean"] == 0.0  # the head starts at zero
+    assert any(r["train/values_mean"] != 0.0 for r in steps[1:])
+    _check_the_critic_is_checkpointed(run / "checkpoints" / f"step_{STEPS:08d}")
+
+
+def _check_the_critic_is_checkpointed(path: Path) -> None:
+    state = json.loads((path / "state.json").read_text())
+    assert state["parts"]["critic"]["optimizer"]["step"] == 2 * STEPS  # two minibatches a step
+    assert state["extra"]["rl"]["updates"] == STEPS
+    keys = FileSystemReader(str(path / "dist")).read_metadata().state_dict_metadata
+    critic = [k for k in keys if k.startswith("critic.")]
+    assert "critic.value_head.weight" in critic and "critic.output_layer.weight" not in keys
+    assert any(k.startswith("optimizer.state.exp_avg.critic.") for k in keys), sorted(keys)[:20]

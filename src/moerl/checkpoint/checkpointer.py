@@ -2,6 +2,8 @@
 
 A checkpoint holds the model and optimizer (Megatron `dist_checkpointing`,
 resharded on load, see `moerl.checkpoint.sharded`), the LR schedule, the step,
+the same three of each named part (another trainable of the run, such as the RL
+critic: its tensors' keys start with `<name>.`, its facts are in state.json's `parts`),
 every rank's RNG states, the caller's extra state (data-loader position, RL state:
 pending rollouts, weight versions of buffered samples, reward-cache keys; JSON,
 never pickle) and fingerprints of the model, the dataset and the config.
@@ -100,12 +102,15 @@ class Checkpointer:
 
     # -- saving ---------------------------------------------------------------
 
-    def save(self, step: int, trainable: Trainable, extra_state: Mapping[str, Any]) -> Path:
+    def save(self, step: int, trainable: Trainable, extra_state: Mapping[str, Any],
+             parts: Mapping[str, Trainable] | None = None) -> Path:
         """Checkpoint after `step` optimizer steps (collective: call on every rank).
 
-        Returns the final directory; with `async_save` it appears there (and
-        `latest` moves) only once `poll()` or `wait()` has seen every rank finish.
+        `parts`: other trainables saved beside `trainable`, by name. Returns the final
+        directory; with `async_save` it appears there (and `latest` moves) only once
+        `poll()` or `wait()` has seen every rank finish.
         """
+        parts = _checked_parts(parts)
         self.wait()  # one save in flight at a time: `latest` moves in step order
         final = self.root / step_name(step)
         if broadcast(final.exists() and read_latest(self.root) == final):
@@ -119,7 +124,7 @@ class Checkpointer:
         barrier()
         error = None
         try:
-            self._write_plain_state(tmp, step, trainable, extra_state)
+            self._write_plain_state(tmp, step, trainable, extra_state, parts)
         except Exception as err:
             error = f"rank {rank()}: {err!r}"
         self._fail_cleanly(error, tmp, "checkpoint save (step state)")
@@ -127,7 +132,7 @@ class Checkpointer:
         start_helpers_ignoring()  # the writer's helper, started cheaply and bound to us
         try:
             request = dist_checkpointing.save(
-                sharded_state(trainable, with_optimizer=True, loading=False),
+                _sharded(trainable, parts, with_optimizer=True, loading=False),
                 str(tmp / DIST),
                 async_sharded_save=self._async is not None,
                 async_strategy="mcore",
@@ -143,7 +148,8 @@ class Checkpointer:
         return final
 
     def _write_plain_state(
-        self, tmp: Path, step: int, trainable: Trainable, extra_state: Mapping[str, Any]
+        self, tmp: Path, step: int, trainable: Trainable, extra_state: Mapping[str, Any],
+        parts: Mapping[str, Trainable],
     ) -> None:
         rng_dir = tmp / "rng"
         rng_dir.mkdir(exist_ok=True)
@@ -159,6 +165,9 @@ class Checkpointer:
             "fingerprints": vars(self.fingerprints),
             "optimizer": optimizer_facts(trainable),
             "scheduler": trainable.scheduler.state_dict(),
+            "parts": {name: {"optimizer": optimizer_facts(part),
+                             "scheduler": part.scheduler.state_dict()}
+                      for name, part in parts.items()},
             "extra": dict(extra_state),
         }
         (tmp / STATE).write_text(json.dumps(state, indent=1, allow_nan=False))
@@ -223,25 +232,41 @@ class Checkpointer:
                 found = complete[-1]
         return broadcast(found)
 
-    def load(self, trainable: Trainable, require: tuple[str, ...] = ("data",)) -> Resumed | None:
-        """Resume into `trainable` as `cfg.resume` says; None: nothing to resume.
+    def load(self, trainable: Trainable, require: tuple[str, ...] = ("data",),
+             parts: Mapping[str, Trainable] | None = None) -> Resumed | None:
+        """Resume into `trainable` (and each of `parts`, by name) as `cfg.resume` says;
+        None: nothing to resume.
 
         `require`: the sections of the extra state this caller cannot continue
-        without (a checkpoint lacking one is refused, not resumed without it).
+        without (a checkpoint lacking one, or one of `parts`, is refused, not resumed
+        without it).
         """
+        parts = _checked_parts(parts)
         path = self.resolve()
         if path is None:
             return None
         verify_manifest(path)
         state = json.loads((path / STATE).read_text())
         self._check_compatible(path, state, require)
+        saved = state.get("parts", {})
+        if missing := [name for name in parts if name not in saved]:
+            raise CheckpointError(
+                f"{path} holds no {', '.join(missing)} (the run that saved it had none), so "
+                "this run cannot continue from it exactly; resume with the saving run's "
+                "settings, or start fresh with checkpoint.resume=none")
         with_optimizer = not self.cfg.weights_only
         if with_optimizer:
             check_optimizer_compatible(state["optimizer"], optimizer_facts(trainable))
-        template = sharded_state(trainable, with_optimizer=with_optimizer, loading=True)
+            for name, part in parts.items():
+                check_optimizer_compatible(saved[name]["optimizer"], optimizer_facts(part))
+        template = _sharded(trainable, parts, with_optimizer=with_optimizer, loading=True)
         loaded = dist_checkpointing.load(template, str(path / DIST))
         apply_loaded(trainable, loaded, with_optimizer, int(state["optimizer"]["step"]))
         trainable.scheduler.load_state_dict(state["scheduler"])
+        for name, part in parts.items():
+            apply_loaded(part, loaded[name], with_optimizer,
+                         int(saved[name]["optimizer"]["step"]), prefix=f"{name}.")
+            part.scheduler.load_state_dict(saved[name]["scheduler"])
         # Ranks keep their own random streams; under a new world size rank r
         # continues saved rank r % old_world's (no exact match exists then).
         saved_rank = rank() % int(state["world_size"])
@@ -280,7 +305,7 @@ class Checkpointer:
 
     def end_of_step(
         self, step: int, trainable: Trainable, extra_state: Mapping[str, Any],
-        stop: StopOnSignal, last: bool,
+        stop: StopOnSignal, last: bool, parts: Mapping[str, Trainable] | None = None,
     ) -> bool:
         """After optimizer step `step` (collective): save when due. True when a stop
         signal reached any rank: the checkpoint is then saved and complete, and the
@@ -288,7 +313,7 @@ class Checkpointer:
         (`moerl.rendezvous.request_requeue`), which the checkpointer does not decide."""
         stopping = stop.agreed()
         if stopping or last or self.should_save(step):
-            self.save(step, trainable, extra_state)
+            self.save(step, trainable, extra_state, parts)
         if stopping:
             self.wait()
             return True
@@ -297,3 +322,23 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+
+
+def _checked_parts(parts: Mapping[str, Trainable] | None) -> dict[str, Trainable]:
+    """`parts` as a dict; a name must not shadow the main trainable's entries."""
+    parts = dict(parts or {})
+    for name in parts:
+        if not name.isidentifier() or name.startswith(("model", "optimizer")):
+            raise ValueError(f"checkpoint part {name!r}: needs an identifier that does not "
+                             "start with 'model' or 'optimizer'")
+    return parts
+
+
+def _sharded(trainable: Trainable, parts: Mapping[str, Trainable], *, with_optimizer: bool,
+             loading: bool) -> dict[str, Any]:
+    """The sharded state of `trainable`, with each part's under its name (keys prefixed)."""
+    state = sharded_state(trainable, with_optimizer=with_optimizer, loading=loading)
+    for name, part in parts.items():
+        state[name] = sharded_state(part, with_optimizer=with_optimizer, loading=loading,
+                                    prefix=f"{name}.")
+    return state

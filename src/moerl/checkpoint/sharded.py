@@ -148,10 +148,15 @@ def _load_optimizer(optimizer: Any, state: Any, step: int) -> None:
     optimizer._synchronize_steps()
 
 
-def sharded_state(trainable: Trainable, *, with_optimizer: bool, loading: bool) -> dict[str, Any]:
-    """The sharded state dict of the model chunks and, if asked, their optimizer."""
+def sharded_state(trainable: Trainable, *, with_optimizer: bool, loading: bool,
+                  prefix: str = "") -> dict[str, Any]:
+    """The sharded state dict of the model chunks and, if asked, their optimizer.
+
+    `prefix` starts every key of the model's tensors (and so of its optimizer state,
+    which is keyed by them): a second trainable in the same checkpoint (a critic) needs
+    one, as its parameters have the same names as the policy's."""
     chunks: list[torch.nn.Module] = list(trainable.model)
-    state = sharded_model_state(chunks)
+    state = sharded_model_state(chunks, prefix)
     if with_optimizer:
         _materialize_adam_state(trainable.optimizer)  # no-op once Adam has stepped
         # On CPU the state gather runs through the `optimizer_state_gather` shim.
@@ -161,13 +166,16 @@ def sharded_state(trainable: Trainable, *, with_optimizer: bool, loading: bool) 
 
 
 def apply_loaded(
-    trainable: Trainable, loaded: dict[str, Any], with_optimizer: bool, step: int
+    trainable: Trainable, loaded: dict[str, Any], with_optimizer: bool, step: int,
+    prefix: str = "",
 ) -> None:
-    """Put a `dist_checkpointing.load` result into the model (and optimizer)."""
+    """Put a `dist_checkpointing.load` result (of `sharded_state` with `prefix`) into the
+    model (and optimizer)."""
     chunks: list[torch.nn.Module] = list(trainable.model)
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for key, chunk in zip(keys, chunks, strict=True):
-        unwrap_model(chunk).load_state_dict(loaded[key], strict=True)
+        state = {name.removeprefix(prefix): t for name, t in loaded[key].items()}
+        unwrap_model(chunk).load_state_dict(state, strict=True)
     if with_optimizer:
         _load_optimizer(trainable.optimizer, loaded["optimizer"], step)
     else:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from moerl.data.chat import ChatError, Message, check_messages
 from moerl.data.code_tasks import OPERATOR_WORDS, Confusion, make_tasks, noisy_demonstration
+from moerl.data.domain_config import DomainConfig, check_mixture
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class PromptRecord:
     messages: list[Message] | None = None
     """A chat row's conversation (the model is prompted through the tokenizer's chat
     template); `prompt` then holds its messages' text, for limits and logs."""
+    domain: str = ""
+    """The mixture domain it was drawn from (`data.mixture`); "" outside a mixture."""
 
 
 class DatasetError(ValueError):
@@ -40,7 +43,11 @@ class DatasetError(ValueError):
 class DataConfig:
     """The `data` config group."""
 
-    source: Literal["code_tasks", "jsonl"] = "code_tasks"
+    source: Literal["code_tasks", "jsonl", "mixture"] = "code_tasks"
+    # mixture: each step's prompts drawn by weight from the domains (data.domains), e.g.
+    # {code: 2, math: 1}; domains are selected with the `domain` group (domain=[code,math])
+    mixture: dict[str, float] = field(default_factory=dict)
+    domains: dict[str, DomainConfig] = field(default_factory=dict)
     path: str | None = None  # jsonl: one {"id", "prompt", "reward", "spec", "reference"?} a line
     eval_path: str | None = None
     train_size: int = 2000  # code_tasks: generated training prompts
@@ -56,6 +63,11 @@ class DataConfig:
     sft_confusion_rate: float = 0.6
 
     def __post_init__(self) -> None:
+        if self.source == "mixture":
+            check_mixture(self.mixture, self.domains)
+        elif self.mixture:
+            raise ValueError(f"data.mixture: weights are for data.source=mixture, not "
+                             f"data.source={self.source}; set data.source=mixture")
         if self.source == "jsonl" and not self.path:
             raise ValueError("data.path: source=jsonl needs a path to a .jsonl file")
         if not 0.0 <= self.sft_correct_fraction <= 1.0:
@@ -164,8 +176,16 @@ def load_jsonl(path: str | Path, max_chars: int, strict: bool) -> tuple[list[Pro
     return records, report
 
 
-def load_prompts(cfg: DataConfig) -> tuple[list[PromptRecord], list[PromptRecord], LoadReport]:
-    """(train, eval, report) records for the config."""
+def load_prompts(cfg: DataConfig, sources: Mapping[str, Any] | None = None,
+                 tokens: Callable[[PromptRecord], int] | None = None,
+                 ) -> tuple[list[PromptRecord], list[PromptRecord], LoadReport]:
+    """(train, eval, report) records for the config. A mixture's domains may name
+    `sources` (generators by name) that this package cannot build, e.g. `terminal`;
+    their prompts are held to their token limits as `tokens` counts them."""
+    if cfg.source == "mixture":
+        from moerl.data.mixture import load_mixture
+
+        return load_mixture(cfg, sources or {}, tokens)
     if cfg.source == "code_tasks":
         train = _code_records(cfg.train_size, cfg.seed, "train", cfg.sft_correct_fraction,
                               cfg.constants, cfg.confusion())

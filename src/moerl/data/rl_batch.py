@@ -42,6 +42,9 @@ class RLSample:
     loss_mask: torch.Tensor | None = None  # (C,) 1 = trained on; None = all completion tokens
     reward: float = 0.0
     weight_version: int = 0  # policy version the engine sampled with (staleness)
+    token_versions: torch.Tensor | None = None
+    """(C,) int64: the version that sampled each completion token, when a weight update
+    landed during its generation (partial rollouts); None: all `weight_version`."""
     group_id: int = 0  # samples of the same prompt share it
     routed_experts: torch.Tensor | None = None
     """(num MoE layers, P + C, topk) expert ids the engine chose per token; for replay."""
@@ -52,7 +55,7 @@ class RLSample:
             raise ValueError("prompt_ids must be a non-empty 1-d tensor of token ids")
         if self.completion_ids.dim() != 1 or c < 1:
             raise ValueError("completion_ids must be a non-empty 1-d tensor of token ids")
-        for name in ("rollout_logprobs", "loss_mask"):
+        for name in ("rollout_logprobs", "loss_mask", "token_versions"):
             t = getattr(self, name)
             if t is not None and t.shape != (c,):
                 raise ValueError(f"{name} must have shape ({c},), got {tuple(t.shape)}")

@@ -13,6 +13,7 @@ from moerl.data.tokenizer import TokenizerConfig
 from moerl.launchers.stages import RunPlan, StageSpec
 from moerl.models.precision import PrecisionConfig
 from moerl.rewards.config import RewardStageConfig
+from moerl.rewards.registry import BUILTIN
 from moerl.rollout.backends import check_engine, engine_argv, launch_env
 from moerl.rollout.config import RolloutStageConfig, ServerRanks, server_ranks_layout
 
@@ -43,6 +44,15 @@ def rollout_precision_argv(precision: PrecisionConfig) -> list[str]:
     if precision.params_dtype != "auto":
         argv += ["--params-dtype", precision.params_dtype]
     return argv + (["--fp8", precision.fp8] if precision.fp8 else [])
+
+
+def reward_flags(plugins: dict[str, str]) -> list[str]:
+    """`--reward` flags serving the built-in rewards plus `rewards.plugins` (none: the
+    server's default, the built-in ones)."""
+    if not plugins:
+        return []
+    served = {**BUILTIN, **plugins}
+    return [arg for name, path in served.items() for arg in ("--reward", f"{name}={path}")]
 
 
 def build_run_plan(
@@ -77,6 +87,7 @@ def build_run_plan(
             launch, "serve", "rollout", "--host", "{host}", "--port", "{port}",
             "--arch-file", str(arch_file), "--max-batch", str(rollout.max_batch),
             *backend, "--speculative", rollout.speculative,
+            *(["--partial-rollouts"] if rollout.partial_rollouts else []),
             "--num-draft-tokens", str(rollout.num_draft_tokens), *ranks.flags,
             *rollout_precision_argv(precision),
             *rollout_tokenizer_argv(tokenizer or TokenizerConfig()),
@@ -103,6 +114,7 @@ def build_run_plan(
             launch, "serve", "reward", "--host", "{host}", "--port", "{port}",
             "--max-concurrency", str(rewards.max_concurrency), "--isolation", rewards.isolation,
             *(["--warm-slots", str(rewards.warm_slots)] if rewards.warm_slots is not None else []),
+            *reward_flags(rewards.plugins),
         ),
         replicas=rewards.servers,
         nodes=rewards.nodes,

@@ -52,8 +52,7 @@ def run_train(overrides: list[str], dry_run: bool = False) -> int:
     plan = build_run_plan(root, overrides, cfg.launcher, cfg.rollout, cfg.rewards, arch_file,
                           config_dir=config_dir().resolve(), precision=cfg.precision,
                           tokenizer=cfg.tokenizer,
-                          environments=cfg.environments if cfg.rl.task_source == "agent"
-                          else None)
+                          environments=cfg.environments if cfg.runs_episodes else None)
     console = Console(stderr=True)
     if cfg.launcher.kind == "slurm":
         from moerl.launchers.slurm_run import run_on_slurm

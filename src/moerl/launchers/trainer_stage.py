@@ -17,9 +17,11 @@ from moerl.checkpoint.collective import barrier
 from moerl.checkpoint.config import Fingerprints
 from moerl.config import RunConfig
 from moerl.data.chat import encode_prompt
+from moerl.data.mixture import MixtureStream
 from moerl.data.prompts import PromptRecord, PromptStream, load_prompts
 from moerl.data.sft import instruction_examples
 from moerl.data.tokenizer import Tokenizer, build_tokenizer
+from moerl.launchers.domain_report import check_reward_names, domain_plot, domain_table
 from moerl.launchers.plan import RunLayout
 from moerl.models.features import resolve_precision
 from moerl.models.weights import save_weights
@@ -27,7 +29,9 @@ from moerl.observability import MetricsLogger, read_metrics
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
 from moerl.rendezvous import ENV_RENDEZVOUS, read_endpoints, request_requeue
 from moerl.rewards.client import RewardClient, RewardClientConfig
+from moerl.rl.agent_collect import EPISODE, terminal_source
 from moerl.rl.config import PolicyConfig
+from moerl.rl.domains import domain_runs
 from moerl.rl.loop import Controller, train
 from moerl.rl.losses import build_objective, objective_config_class
 from moerl.rl.policy import Policy
@@ -63,11 +67,14 @@ def _controller(cfg: RunConfig, root: Path, records: list[PromptRecord],
     judges = RewardClient(RewardClientConfig(
         rendezvous_dir=rendezvous, batch_size=cfg.rewards.batch_size,
         timeout_s=cfg.rewards.timeout_s), seed=cfg.rl.seed)
+    data = cfg.data
+    prompts: PromptStream | MixtureStream = (
+        MixtureStream.of(records, data.mixture, data.seed, cfg.rl.difficulty_filter_epochs)
+        if data.source == "mixture" else
+        PromptStream(records, seed=data.seed, set_aside_epochs=cfg.rl.difficulty_filter_epochs))
     return Controller(
-        engines=engines, judges=judges,
-        prompts=PromptStream(records, seed=cfg.data.seed,
-                             set_aside_epochs=cfg.rl.difficulty_filter_epochs),
-        held_out=held_out,
+        engines=engines, judges=judges, prompts=prompts, held_out=held_out,
+        runs=domain_runs({k: data.domains[k] for k in data.mixture}, cfg.rl),
         encode=lambda record: encode_prompt(tok, record.prompt, record.messages),
         stop_token_ids=tok.stop_ids,
         logger=MetricsLogger(cfg.logger, root, to_dict(cfg)),
@@ -127,7 +134,10 @@ def trainer_main(cfg: RunConfig, dirs: RunLayout) -> int:
 def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSignal) -> bool:
     """True when a stop signal ended the run (checkpointed) before its last step."""
     tok = build_tokenizer(cfg.tokenizer, cfg.model.vocab_size)
-    records, held_out, _ = load_prompts(cfg.data)
+    records, held_out, _ = load_prompts(
+        cfg.data, {"terminal": terminal_source(cfg.rl.agent)},
+        tokens=lambda record: len(encode_prompt(tok, record.prompt, record.messages)))
+    check_reward_names(records + held_out, cfg.rewards)
     ckpt = _checkpoints(cfg, records, held_out)
     # A checkpoint holds the policy after SFT and RL: no SFT again on resume.
     resuming = ckpt is not None and ckpt.found() is not None
@@ -139,11 +149,20 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
         cfg.model, cfg.parallel, cfg.optim, build_objective(cfg.rl.objective, objective_cfg),
         groups, PolicyConfig(
             token_budget=cfg.rl.token_budget, aux_losses=cfg.rl.aux_losses,
-            token_advantages="reinforce_pp" if cfg.rl.advantage == "reinforce_pp" else "none",
-            kl_in_reward=cfg.rl.kl_in_reward),
+            token_advantages=("reinforce_pp" if cfg.rl.advantage == "reinforce_pp" else
+                              "gae" if cfg.rl.advantage == "gae" else "none"),
+            kl_in_reward=cfg.rl.kl_in_reward, gae_gamma=cfg.rl.gae_gamma,
+            gae_lambda=cfg.rl.gae_lambda),
         weights=weights, reference_weights=ckpt.reference_weights() if ckpt else None,
         precision=resolve_precision(cfg.precision), recompute=cfg.recompute,
     )
+    if cfg.rl.advantage == "gae":  # PPO's critic; a resume then loads it from the checkpoint
+        from moerl.rl.critic import Critic
+
+        policy.critic = Critic.build(
+            cfg.model, cfg.parallel, cfg.optim, groups, cfg.rl.critic, init_from=policy.chunks,
+            seed=cfg.rl.seed, precision=resolve_precision(cfg.precision),
+            recompute=cfg.recompute)
     state = ckpt.load(policy) if ckpt else None
     start = state.next_step if state else 0
     ctl = _controller(cfg, dirs.root, records, held_out, tok) if groups.rank == 0 else None
@@ -158,6 +177,12 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
                 cfg.rl, cfg.model.max_position_embeddings, tok,
                 environment_servers=_environment_servers(cfg, dirs.root))
             ctl.held_out = []  # the held-out prompts are code tasks, not agent tasks
+        elif any(r.reward == EPISODE for r in records):  # a mixture's terminal domain
+            from moerl.rl.agent_collect import build_agent_collector
+
+            ctl.episodes = build_agent_collector(
+                cfg.rl, cfg.model.max_position_embeddings, tok,
+                environment_servers=_environment_servers(cfg, dirs.root))
     if groups.rank == 0:  # versions an earlier attempt published are stale
         shutil.rmtree(dirs.weights, ignore_errors=True)
     barrier()
@@ -179,5 +204,9 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
     if ctl is not None:
         plot = ctl.logger.close(("reward/mean", "eval/pass_rate"))
         Console().print(summary_table(ctl.logger.path))
-        Console().print(f"metrics: {ctl.logger.path}" + (f"  plot: {plot}" if plot else ""))
+        plots = [p for p in (plot, domain_plot(ctl.logger.path, dirs.root)) if p]
+        if cfg.data.source == "mixture":
+            Console().print(domain_table(ctl.logger.path))
+        Console().print(f"metrics: {ctl.logger.path}"
+                        + (f"  plots: {', '.join(map(str, plots))}" if plots else ""))
     return False

@@ -10,6 +10,7 @@ groups must already exist (`parallel.groups.init_parallel`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -255,11 +256,13 @@ def build_model(
     recompute: RecomputeConfig | None = None,
     backend: str = "gloo",
     packed_rows: bool = False,
+    model_cls: Callable[..., GPTModel] = GPTModel,
     **overrides: Any,
 ) -> list[GPTModel]:
     """One `GPTModel` per virtual pipeline stage held by this rank (1 without vpp).
 
     `packed_rows`: batches will carry document boundaries (`Batch.cu_seqlens`).
+    `model_cls`: GPTModel or a subclass taking its arguments (models.value.ValueModel).
     """
     precision = precision or local_fp32()
     te = precision.te
@@ -278,7 +281,7 @@ def build_model(
     for vp in range(layout.virtual_stages):
         vp_stage = vp if layout.vpp else None
         block, mtp = build_layer_spec(config, te=te, vp_stage=vp_stage, packed_rows=packed_rows)
-        model = GPTModel(
+        model = model_cls(
             config=config,
             transformer_layer_spec=block,
             vocab_size=arch.vocab_size,

@@ -37,12 +37,16 @@ def unwrap_model(chunk: torch.nn.Module) -> Any:
     return inner
 
 
-def sharded_model_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+def sharded_model_state(chunks: list[torch.nn.Module], prefix: str = "") -> dict[str, Any]:
+    """{"model": ...} (or model0, model1, ... per virtual stage): the chunks' sharded
+    state, every key (in the dicts and of the tensors on disk) starting with `prefix`,
+    so that two models can share one checkpoint (`checkpoint.sharded`)."""
     if len(chunks) == 1:
-        return {"model": unwrap_model(chunks[0]).sharded_state_dict()}
+        return {"model": unwrap_model(chunks[0]).sharded_state_dict(prefix)}
     # Virtual pipeline stages: Megatron names them model0, model1, ...; the tensors
     # inside carry global layer numbers, so the dict keys do not tie the layout.
-    return {f"model{i}": unwrap_model(c).sharded_state_dict() for i, c in enumerate(chunks)}
+    return {f"model{i}": unwrap_model(c).sharded_state_dict(prefix)
+            for i, c in enumerate(chunks)}
 
 
 def _rank() -> int:

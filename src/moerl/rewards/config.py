@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -20,3 +20,13 @@ class RewardStageConfig:
     timeout_s: float = 300.0
     nodes: int = 1
     cpus: int = 2
+    plugins: dict[str, str] = field(default_factory=dict)
+    """Reward functions served beside the built-in ones: name -> 'package.module:Factory'
+    (moerl.rewards.registry), for a domain whose prompts name them."""
+
+    def __post_init__(self) -> None:
+        for name, path in self.plugins.items():
+            module, sep, attr = path.partition(":")
+            if not (sep and module and attr):
+                raise ValueError(f"rewards.plugins.{name}: {path!r} must look like "
+                                 "'package.module:Factory'")

@@ -50,6 +50,9 @@ class RewardResult:
     status: str | None = None
     """The sandbox's status of the decisive execution, for metrics."""
     details: dict[str, JSON] = field(default_factory=dict)
+    seconds: float | None = None
+    """Wall time of the reward function on the server (set by the server), for
+    per-domain latency; None when it did not run."""
 
     def __post_init__(self) -> None:
         if (self.reward is None) != (self.error_kind is not None):

@@ -17,6 +17,8 @@ BUILTIN: dict[str, str] = {
     "stdio": "moerl.rewards.code:StdioReward",
     "math": "moerl.rewards.math:MathReward",
     "format": "moerl.rewards.format:FormatReward",
+    "scene": "moerl.rewards.tools:SceneReward",
+    "exact_match": "moerl.rewards.exact:ExactMatchReward",
 }
 
 

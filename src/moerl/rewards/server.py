@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -128,8 +129,10 @@ class Scorer:
                 f"unknown reward {item.reward!r}; have {sorted(self.rewards)}"
             )
         self.executions += 1
+        started = time.perf_counter()
         try:
-            return reward.score(item.completion, item.spec)
+            result = reward.score(item.completion, item.spec)
+            return replace(result, seconds=round(time.perf_counter() - started, 6))
         except InvalidSpec as exc:
             return RewardResult.invalid(str(exc))
         except Exception as exc:  # a bug or a crash in a reward function is infra

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,16 +28,22 @@ from moerl.agent.scheduler import AgentScheduler, SchedulerConfig
 from moerl.agent.suite import SuiteTask, select_tasks
 from moerl.agent.terminal import TerminalEnvironment
 from moerl.agent.trajectory import AgentSample, Trajectory
+from moerl.data.domains import Generator
+from moerl.data.prompts import PromptRecord
 from moerl.data.rl_batch import RLSample
 from moerl.data.tokenizer import Tokenizer
 from moerl.observability import StepTimer
 from moerl.rl.config import AgentTasksConfig, RLConfig
 from moerl.rl.scoring import advantages
+from moerl.rollout.client import RolloutClient
 from moerl.sandbox import Sandbox, SandboxConfig
 from moerl.typed_config import ConfigError
 
 if TYPE_CHECKING:
     from moerl.rl.loop import Batch, Controller
+
+EPISODE = "episode"
+"""The `reward` of a terminal-domain record: graded by its task's check in the episode."""
 
 
 def pick_tasks(tasks: Sequence[SuiteTask], count: int, seed: int) -> list[AgentTask]:
@@ -49,11 +56,11 @@ def pick_tasks(tasks: Sequence[SuiteTask], count: int, seed: int) -> list[AgentT
 
 
 def group_samples(groups: Sequence[Sequence[Trajectory]], cfg: RLConfig,
-                  loss_on_truncated_context: bool) -> list[RLSample]:  # fmt: skip
+                  loss_on_truncated_context: bool, first_group_id: int = 0) -> list[RLSample]:
     """Training samples with group advantages; infra failures and episodes without a
     single loss token are left out of their group (fewer than 2 left: no group)."""
     out: list[RLSample] = []
-    for gid, group in enumerate(groups):
+    for gid, group in enumerate(groups, start=first_group_id):
         records: list[AgentSample] = []
         for traj in group:
             if traj.is_infra_failure:
@@ -107,6 +114,7 @@ class AgentCollector:
             raise ValueError("an agent collector runs episodes in a sandbox or on "
                              "environment servers: give exactly one")
         self.tasks, self.sandbox, self.servers = list(tasks), sandbox, servers
+        self._by_id = {t.id: t.task for t in self.tasks}
         self.tokenizer, self.config = tokenizer, config
         self.last_groups: list[list[Trajectory]] = []
         """The groups the last call trained on (for inspection and tests)."""
@@ -126,6 +134,25 @@ class AgentCollector:
             return RemoteEnvironment(self.servers)
         return TerminalEnvironment(self.sandbox)
 
+    def run_groups(self, engines: RolloutClient, tasks: Sequence[AgentTask], group_size: int,
+                   cfg: RLConfig, seed: int, temperature: float | None = None,
+                   ) -> list[list[Trajectory]]:
+        """`group_size` episodes of each task (a group each), all scheduled at once."""
+        episodes = [t for t in tasks for _ in range(group_size)]
+        config = self._scheduler_config(cfg, seed)
+        if temperature is not None:
+            config = replace(config, temperature=temperature)
+        trajs = AgentScheduler(engines, self._environment, self.tokenizer, config).run(episodes)
+        return [trajs[i : i + group_size] for i in range(0, len(trajs), group_size)]
+
+    def task(self, task_id: str) -> AgentTask:
+        """The selected task of that id (a terminal-domain record's `spec["task"]`)."""
+        found = self._by_id.get(task_id)
+        if found is None:
+            raise ValueError(f"agent task {task_id!r} is not among the selected tasks "
+                             "(rl.agent.tasks / categories / task_dirs)")
+        return found
+
     def __call__(self, ctl: Controller, cfg: RLConfig, step: int) -> Batch:
         from moerl.rl.loop import Batch
 
@@ -133,13 +160,8 @@ class AgentCollector:
         for round_ in range(cfg.max_generation_rounds):
             seed = (cfg.seed * 100_003 + step) * 101 + round_
             tasks = pick_tasks(self.tasks, cfg.prompts_per_step, seed)
-            episodes = [t for t in tasks for _ in range(cfg.group_size)]
-            env = self._environment
-            scheduler = AgentScheduler(ctl.engines, env, self.tokenizer,
-                                       self._scheduler_config(cfg, seed))
             with timer.phase("rollout"):
-                trajs = scheduler.run(episodes)
-            groups = [trajs[i : i + cfg.group_size] for i in range(0, len(trajs), cfg.group_size)]
+                groups = self.run_groups(ctl.engines, tasks, cfg.group_size, cfg, seed)
             seen += groups
             kept += [g for g in groups if informative(g)] if cfg.dynamic_sampling else groups
             if len(kept) >= cfg.prompts_per_step or not cfg.dynamic_sampling:
@@ -147,6 +169,26 @@ class AgentCollector:
         kept = self.last_groups = kept[: cfg.prompts_per_step]
         samples = group_samples(kept, cfg, self.config.loss_on_truncated_context)
         return Batch(samples, {**episode_metrics(seen), **timer.as_metrics()})
+
+
+def terminal_source(config: AgentTasksConfig) -> Generator:
+    """The `terminal` domain's records: the tasks `rl.agent` selects, in a seeded order
+    (at most `count`). A record names its task (`spec["task"]`); its episodes are graded
+    by the task's own check, not by a reward server (`reward` "episode"). The held-out
+    split is drawn from the same tasks: the suite has no separate held-out tasks."""
+
+    def generate(count: int, seed: int, split: str, options: Mapping[str, Any]
+                 ) -> list[PromptRecord]:
+        if options:
+            raise ValueError(f"options.{sorted(options)[0]}: the terminal domain takes no "
+                             "options; select its tasks with rl.agent.tasks / categories / "
+                             "task_dirs")
+        tasks = select_tasks(config.tasks, config.categories, config.task_dirs)
+        random.Random(seed).shuffle(tasks)
+        return [PromptRecord(uid=f"{split}-{t.id}", prompt=t.task.instruction, reward=EPISODE,
+                             spec={"task": t.id}) for t in tasks[:count]]
+
+    return generate
 
 
 def build_agent_collector(cfg: RLConfig, max_positions: int, tokenizer: Tokenizer,

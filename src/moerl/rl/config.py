@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from moerl.rl.critic_config import CriticConfig, check_gae
 from moerl.rollout.types import SamplingParams
 
-AdvantageKind = Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp"]
+AdvantageKind = Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp", "gae"]
 
 
 @dataclass
@@ -18,12 +19,12 @@ class SamplingConfig:
     top_k: int = 0
     stop: list[str] = field(default_factory=list)
 
-    def params(self, n: int, seed: int | None,
-               stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+    def params(self, n: int, seed: int | None, stop_token_ids: tuple[int, ...] = (),
+               routed_experts: bool = False) -> SamplingParams:
         return SamplingParams(
             max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, n=n, stop=tuple(self.stop), seed=seed,
-            stop_token_ids=stop_token_ids,
+            stop_token_ids=stop_token_ids, return_routed_experts=routed_experts,
         )
 
 
@@ -73,11 +74,16 @@ class PolicyConfig:
     """L of seq-mean-token-sum-norm (Dr.GRPO), e.g. the maximum response length."""
     replay_routing: bool = True
     """Replay the engine's expert choices when the samples carry them."""
-    token_advantages: Literal["none", "reinforce_pp"] = "none"
+    token_advantages: Literal["none", "reinforce_pp", "gae"] = "none"
     """reinforce_pp: the samples carry their rewards, turned into per-token REINFORCE++
-    advantages once the step's reference logprobs are known (`rl.token_returns`)."""
+    advantages once the step's reference logprobs are known (`rl.token_returns`);
+    gae: advantages by GAE from the critic's values (`rl.gae_returns`, `rl.critic`)."""
     kl_in_reward: float = 0.0
-    """beta of the KL penalty in the per-token reward (reinforce_pp)."""
+    """beta of the KL penalty in the per-token reward (reinforce_pp, gae)."""
+    gae_gamma: float = 1.0
+    """gamma of GAE (gae)."""
+    gae_lambda: float = 0.95
+    """lambda of GAE (gae)."""
     aux_losses: bool = False
     """Keep the MoE load-balancing and MTP losses in the update's gradient. Off by default:
     they would also count padding tokens, whose number depends on the packing (so on the
@@ -94,12 +100,16 @@ class RLConfig:
     objective: str = "grpo"  # ppo_clip, grpo, dapo, gspo, cispo, dr_grpo
     objective_args: dict[str, Any] = field(default_factory=dict)  # that objective's config
     # grpo / grpo_no_std / rloo: one advantage per sample from its group's rewards;
-    # reinforce_pp: per-token returns whitened over the step (`rl.token_returns`).
+    # reinforce_pp: per-token returns whitened over the step (`rl.token_returns`);
+    # gae: PPO with a critic, GAE(gae_gamma, gae_lambda) from its values (`rl.critic`).
     advantage: AdvantageKind = "grpo"
-    # REINFORCE++'s KL penalty in the reward: r_t -= kl_in_reward * (log pi_old - log pi_ref)
-    # per token (0: none); with reinforce_pp only (a group baseline compares whole rewards:
+    # KL penalty in the reward: r_t -= kl_in_reward * (log pi_old - log pi_ref) per token
+    # (0: none); with reinforce_pp or gae only (a group baseline compares whole rewards:
     # use the objective's KL loss term there).
     kl_in_reward: float = 0.0
+    gae_gamma: float = 1.0  # gae: discount per generated token
+    gae_lambda: float = 0.95  # gae: bias/variance trade-off of the advantage estimate
+    critic: CriticConfig = field(default_factory=CriticConfig)  # gae only
     # DAPO dynamic sampling: keep only groups whose rewards differ, generating up to
     # this many rounds of prompts to fill the step.
     dynamic_sampling: bool = True
@@ -131,6 +141,11 @@ class RLConfig:
     # prompts: single-shot completions of data prompts, scored by the reward servers;
     # agent: multi-step terminal episodes (rl.agent), scored by the tasks' verifiers.
     task_source: Literal["prompts", "agent"] = "prompts"
+    # Routing replay: the rollout engine returns the experts each MoE layer chose for
+    # every position, and the update's forwards route through them, so a router that
+    # moved since the rollout (its expert bias, its weights) does not change which
+    # experts a token's logprob comes from. moerl engines only; prompts, not episodes.
+    routing_replay: bool = False
     agent: AgentTasksConfig = field(default_factory=AgentTasksConfig)
 
     def __post_init__(self) -> None:
@@ -147,12 +162,14 @@ class RLConfig:
                              "tasks (rl.task_source=agent) are drawn without it, set it to 0")
         if self.kl_in_reward < 0:
             raise ValueError(f"rl.kl_in_reward: must be >= 0, got {self.kl_in_reward}")
-        if self.kl_in_reward and self.advantage != "reinforce_pp":
+        if self.kl_in_reward and self.advantage not in ("reinforce_pp", "gae"):
             raise ValueError(
                 f"rl.kl_in_reward={self.kl_in_reward} with rl.advantage={self.advantage}: the "
                 "KL penalty goes into per-token returns, which only rl.advantage=reinforce_pp "
-                "computes; set rl.advantage=reinforce_pp, or rl.kl_in_reward=0 and the "
-                "objective's kl_coef (rl.objective_args.kl_coef) for a KL loss term")
+                "or gae computes; set rl.advantage=reinforce_pp (or gae), or "
+                "rl.kl_in_reward=0 and the objective's kl_coef (rl.objective_args.kl_coef) "
+                "for a KL loss term")
+        check_gae(self)
         if self.mode == "async" and self.max_staleness == 0:
             raise ValueError(
                 "rl.max_staleness=0 with rl.mode=async: a batch collected while the previous "
@@ -162,6 +179,10 @@ class RLConfig:
             raise ValueError("rl.weight_sync_bucket_mb: must be >= 1")
         if self.overlong_buffer >= self.sampling.max_tokens and self.overlong_buffer:
             raise ValueError("rl.overlong_buffer: must be smaller than rl.sampling.max_tokens")
+        if self.routing_replay and self.task_source == "agent":
+            raise ValueError("rl.routing_replay with rl.task_source=agent: an episode's "
+                             "turns are generated apart, their routing is not returned; set "
+                             "rl.routing_replay=false")
         if self.task_source == "agent":
             from moerl.agent.suite import SuiteError, select_tasks
 

@@ -1,37 +1,34 @@
-"""Held-out evaluation through the same rollout and reward servers as training."""
+"""Held-out evaluation through the same rollout and reward servers as training.
+
+One sample per held-out prompt at `rl.eval_temperature` (greedy by default), each
+domain with its own sampling settings otherwise; terminal-domain prompts run as
+episodes. Logged: eval/pass_rate (reward 1), eval/mean_reward, eval/infra_errors
+over all prompts and, in a mixture, eval_pass_rate/<d>, eval_reward/<d> per domain.
+"""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from moerl.data.prompts import PromptRecord
-from moerl.rewards.client import RewardClient
-from moerl.rl.config import SamplingConfig
-from moerl.rl.scoring import score_groups
-from moerl.rollout.client import RolloutClient
+from moerl.rl.config import RLConfig
+from moerl.rl.domains import Generation, domain_metrics, run_round
 
 
-def evaluate(
-    engines: RolloutClient,
-    judges: RewardClient,
-    records: Sequence[PromptRecord],
-    sampling: SamplingConfig,
-    encode: Callable[[PromptRecord], list[int]],
-    step: int,
-    stop_token_ids: tuple[int, ...] = (),
-) -> dict[str, float]:
-    """Pass rate (all tests pass) and mean reward, one sample per held-out prompt."""
+def evaluate(gen: Generation, cfg: RLConfig, records: Sequence[PromptRecord],
+             step: int) -> dict[str, float]:
     if not records:
         return {}
-    prompts = [encode(r) for r in records]
-    groups = engines.generate(prompts, n=1, sampling=sampling.params(
-        n=1, seed=step, stop_token_ids=stop_token_ids))
-    scored, _ = score_groups(judges, records, groups, step=-1 - step)
-    rewards = [res.reward for g in scored for res in g.results if res.reward is not None]
+    groups, _ = run_round(gen, cfg, records, seed=step, step=-1 - step,
+                          temperature=cfg.eval_temperature, group_size=1)
+    rewards = [r for g in groups for r in g.rewards() if r is not None]
+    infra = sum(r is None for g in groups for r in g.rewards())
+    per_domain = {k: v for k, v in domain_metrics(groups, prefix="eval_").items()
+                  if k.startswith(("eval_pass_rate/", "eval_reward/"))}
     return {
         "eval/pass_rate": statistics.fmean(r == 1.0 for r in rewards) if rewards else 0.0,
         "eval/mean_reward": statistics.fmean(rewards) if rewards else 0.0,
-        "eval/infra_errors": float(sum(
-            res.error_kind is not None for g in scored for res in g.results)),
+        "eval/infra_errors": float(infra),
+        **per_domain,
     }

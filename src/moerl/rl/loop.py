@@ -19,16 +19,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from moerl.data.mixture import MixtureStream
 from moerl.data.prompts import PromptRecord, PromptStream
 from moerl.data.rl_batch import RLSample
 from moerl.observability import MetricsLogger, StepTimer
 from moerl.rewards.client import RewardClient
-from moerl.rl.config import RLConfig, SamplingConfig
+from moerl.rl.agent_collect import AgentCollector, episode_metrics, group_samples
+from moerl.rl.config import RLConfig
+from moerl.rl.domains import (
+    DomainRun,
+    EpisodeGroup,
+    Generation,
+    Group,
+    domain_metrics,
+    overall_rewards,
+    run_round,
+)
 from moerl.rl.evaluate import evaluate
 from moerl.rl.policy import Policy
-from moerl.rl.scoring import ScoredGroup, group_metrics, score_groups, training_samples
+from moerl.rl.scoring import ScoredGroup, group_metrics, training_samples
 from moerl.rl.weight_sync import WeightSync
 from moerl.rollout.client import RolloutClient
 from moerl.rollout.speculative.metrics import speculation_metrics
@@ -40,7 +52,7 @@ class Controller:
 
     engines: RolloutClient
     judges: RewardClient
-    prompts: PromptStream
+    prompts: PromptStream | MixtureStream
     held_out: list[PromptRecord]
     encode: Callable[[PromptRecord], list[int]]
     """A prompt's ids (plain text, or a conversation through the chat template)."""
@@ -49,6 +61,14 @@ class Controller:
     """Ids that end a generation besides the servers' EOS (the tokenizer's end of turn)."""
     collector: Callable[[Controller, RLConfig, int], Batch] | None = None
     """Replaces the prompt collect below, e.g. agent episodes (rl/agent/collect.py)."""
+    runs: dict[str, DomainRun] = field(default_factory=dict)
+    """A mixture's domains: group size and sampling of each (`data.domains`)."""
+    episodes: AgentCollector | None = None
+    """Runs a mixture's terminal-domain prompts as agent episodes."""
+
+    def generation(self) -> Generation:
+        return Generation(self.engines, self.judges, self.encode, self.stop_token_ids,
+                          self.runs, self.episodes)
 
 
 @dataclass
@@ -61,28 +81,38 @@ def collect(ctl: Controller, cfg: RLConfig, step: int) -> Batch:
     """Generate, score and filter until the step has its groups (or rounds run out)."""
     if ctl.collector is not None:
         return ctl.collector(ctl, cfg, step)
-    timer, kept, seen = StepTimer(), list[ScoredGroup](), list[ScoredGroup]()
+    timer, kept, seen = StepTimer(), list[Group](), list[Group]()
     reward_metrics: dict[str, float] = {}
     for _ in range(cfg.max_generation_rounds):
         records = ctl.prompts.take(cfg.prompts_per_step)
-        with timer.phase("rollout"):
-            groups = ctl.engines.generate(
-                [ctl.encode(r) for r in records], n=cfg.group_size,
-                sampling=cfg.sampling.params(cfg.group_size, seed=cfg.seed * 100_003 + step,
-                                             stop_token_ids=ctl.stop_token_ids))
-        with timer.phase("reward"):
-            scored, reward_metrics = score_groups(ctl.judges, records, groups, step)
-        for group in scored:  # settled prompts sit out epochs (rl.difficulty_filter_epochs)
+        groups, reward_metrics = run_round(ctl.generation(), cfg, records,
+                                           seed=cfg.seed * 100_003 + step, step=step, timer=timer)
+        for group in groups:  # settled prompts sit out epochs (rl.difficulty_filter_epochs)
             ctl.prompts.settle(group.record, group.rewards(cfg))
-        seen += scored
-        kept += [g for g in scored if g.informative] if cfg.dynamic_sampling else scored
+        seen += groups
+        kept += [g for g in groups if g.informative] if cfg.dynamic_sampling else groups
         if len(kept) >= cfg.prompts_per_step or not cfg.dynamic_sampling:
             break
     kept = kept[: cfg.prompts_per_step]
-    metrics = {**group_metrics(seen, cfg), **reward_metrics, **timer.as_metrics(),
-               **speculation_metrics(s for g in seen for s in g.samples),
-               **ctl.prompts.metrics()}
-    return Batch(training_samples(kept, cfg), metrics)
+    prompt_groups = [g for g in seen if isinstance(g, ScoredGroup)]
+    episode_groups = [g for g in seen if isinstance(g, EpisodeGroup)]
+    metrics = {**group_metrics(prompt_groups, cfg), **reward_metrics, **timer.as_metrics(),
+               **speculation_metrics(s for g in prompt_groups for s in g.samples),
+               **domain_metrics(seen), **ctl.prompts.metrics()}
+    if episode_groups:  # a mixture's terminal domain: its agent/* series, and the
+        # overall rewards over prompts and episodes alike
+        metrics |= {k: v for k, v in episode_metrics([g.trajectories for g in episode_groups])
+                    .items() if k.startswith("agent/")} | overall_rewards(seen)
+    plain = [g for g in kept if isinstance(g, ScoredGroup)]
+    samples = training_samples(plain, cfg)
+    if ctl.episodes is not None:
+        samples += group_samples([g.trajectories for g in kept if isinstance(g, EpisodeGroup)],
+                                 cfg, ctl.episodes.config.loss_on_truncated_context,
+                                 first_group_id=len(plain))
+    if cfg.routing_replay:  # the share of samples the update replays the engine's routing for
+        metrics["rollout/routed_samples"] = (
+            sum(s.routed_experts is not None for s in samples) / len(samples) if samples else 0.0)
+    return Batch(samples, metrics)
 
 
 def _share(batch: Batch | None) -> Batch:
@@ -97,15 +127,36 @@ def _share(batch: Batch | None) -> Batch:
 
 
 def drop_stale(batch: Batch, version: int, max_staleness: int) -> Batch:
-    """Keep samples at most `max_staleness` weight versions behind `version`."""
-    fresh = [s for s in batch.samples if version - s.weight_version <= max_staleness]
+    """Keep what was sampled at most `max_staleness` weight versions behind `version`.
+
+    Per token: a sample whose generation spanned a weight update (partial rollouts,
+    `token_versions`) keeps its fresh tokens and has its stale ones masked out of the
+    loss; a sample with no fresh token left is dropped. The importance correction then
+    weighs every kept token by its own rollout logprob, which the version that sampled
+    it reported.
+    """
+    fresh: list[RLSample] = []
+    masked = spanning = 0
+    collected_ages, trained_ages = [0], [0]
+    for s in batch.samples:
+        versions = (s.token_versions if s.token_versions is not None
+                    else torch.full((s.completion_ids.numel(),), s.weight_version))
+        spanning += int(versions.min() != versions.max())
+        collected_ages.append(version - int(versions.min()))
+        keep = version - versions <= max_staleness
+        mask = keep.float() if s.loss_mask is None else s.loss_mask * keep
+        if not bool(mask.any()):
+            continue
+        masked += int((~keep).sum())
+        trained_ages.append(version - int(versions[mask.bool()].min()))
+        fresh.append(s if bool(keep.all()) else replace(s, loss_mask=mask))
     metrics = {
         **batch.metrics,
         "async/dropped_stale": float(len(batch.samples) - len(fresh)),
-        "async/staleness_max_collected": float(
-            max((version - s.weight_version for s in batch.samples), default=0)),
-        "async/staleness_max_trained": float(
-            max((version - s.weight_version for s in fresh), default=0)),
+        "async/staleness_max_collected": float(max(collected_ages)),
+        "async/staleness_max_trained": float(max(trained_ages)),
+        "async/spanning_versions": float(spanning),
+        "async/masked_stale_tokens": float(masked),
     }
     return Batch(fresh, metrics)
 
@@ -135,8 +186,7 @@ def train(cfg: RLConfig, policy: Policy, sync: WeightSync, ctl: Controller | Non
     for step in range(start_step, cfg.steps):
         if ctl is not None and ctl.held_out and (step == 0 or (cfg.eval_interval and
                                                                step % cfg.eval_interval == 0)):
-            scores = evaluate(ctl.engines, ctl.judges, ctl.held_out, _greedy(cfg), ctl.encode, step,
-                              ctl.stop_token_ids)
+            scores = evaluate(ctl.generation(), cfg, ctl.held_out, step)
             ctl.logger.log(step, scores)
             print(f"eval at step {step}: pass rate {scores.get('eval/pass_rate', 0):.3f}",
                   flush=True)
@@ -165,8 +215,7 @@ def train(cfg: RLConfig, policy: Policy, sync: WeightSync, ctl: Controller | Non
     if producer:
         producer.stop()
     if ctl is not None and ctl.held_out:  # agent tasks have no held-out prompts
-        ctl.logger.log(cfg.steps, evaluate(ctl.engines, ctl.judges, ctl.held_out, _greedy(cfg),
-                                           ctl.encode, cfg.steps, ctl.stop_token_ids))
+        ctl.logger.log(cfg.steps, evaluate(ctl.generation(), cfg, ctl.held_out, cfg.steps))
     return False
 
 
@@ -186,10 +235,6 @@ _SHOWN = (("reward/mean", "reward"), ("reward/pass_rate", "pass"), ("train/kl_re
 def _print_step(step: int, steps: int, row: dict[str, float]) -> None:
     shown = "  ".join(f"{label} {row[key]:.3f}" for key, label in _SHOWN if key in row)
     print(f"RL step {step + 1}/{steps}  {shown}", flush=True)
-
-
-def _greedy(cfg: RLConfig) -> SamplingConfig:
-    return replace(cfg.sampling, temperature=cfg.eval_temperature)
 
 
 class _Producer:

@@ -11,6 +11,10 @@ minibatch's recomputed old logprobs: the weights have not moved yet, so they are
 update's own forward, detached (one forward pass fewer per step); the global
 `Denominator` counts loss tokens and sequences over all micro-batches and DP ranks; the
 objective runs per micro-batch inside Megatron's pipeline schedule; one optimizer step.
+With a critic (`token_advantages="gae"`, rl/critic.py) the critic's values of every
+micro-batch are computed next, the per-token advantages and value targets come from
+them (rl/gae_returns.py), the critic takes one step per minibatch, and the policy its
+own, except during the critic's warm-up (its first `warmup_steps` updates).
 
 Loss scaling. The model config runs with `calculate_per_token_loss`: the schedule sums the
 token counts the loss function returns, `finalize_model_grads` all-reduces that sum over
@@ -26,9 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,23 +46,17 @@ from moerl.parallel.groups import ParallelGroups
 from moerl.parallel.layout import ParallelLayout
 from moerl.rl.config import PolicyConfig
 from moerl.rl.forward import ForwardHooks, cp_share, forward_logprobs, run_schedule, token_logprobs
-from moerl.rl.losses import Denominator, PolicyLossInputs, PolicyObjective, global_denominator
+from moerl.rl.losses import PolicyLossInputs, PolicyObjective, global_denominator
 from moerl.rl.policy_metrics import gap_metrics, gap_report, reduce_reports
 from moerl.rl.routing import ExpertLoad, RoutingReplay
+from moerl.rl.update_advantages import Prepared, gae_step, reinforce_pp_step
 from moerl.trainer.config import OptimConfig
 from moerl.trainer.optimizer import Trainable, build_optimizer
 
+if TYPE_CHECKING:
+    from moerl.rl.critic import Critic
+
 LogprobPair = tuple[torch.Tensor, torch.Tensor]  # (logprobs, entropy), each (B, T)
-
-
-@dataclass
-class _Prepared:
-    """One optimizer step's micro-batches with everything the loss needs."""
-
-    micro: list[RLMicroBatch]
-    old: list[torch.Tensor] | None  # (B, T) each; None: the update's own forward, detached
-    ref: list[torch.Tensor] | None
-    denom: Denominator
 
 
 class Policy:
@@ -73,6 +70,7 @@ class Policy:
         groups: ParallelGroups,
         cfg: PolicyConfig | None = None,
         reference: list[torch.nn.Module] | None = None,
+        critic: Critic | None = None,
     ) -> None:
         config = trainable.model[0].config
         if not config.calculate_per_token_loss:
@@ -80,6 +78,8 @@ class Policy:
         self.trainable, self.arch, self.objective, self.groups = trainable, arch, objective, groups
         self.cfg = cfg or PolicyConfig()
         self.reference = reference
+        self.critic = critic
+        self.updates = 0  # update() calls so far; a resume restores it (rl.resume)
         chunks: list[torch.nn.Module] = list(trainable.model)
         self.load = ExpertLoad(chunks, arch)
         self.replay = RoutingReplay(chunks, arch) if self.cfg.replay_routing else None
@@ -185,26 +185,29 @@ class Policy:
         parts = [samples[i : i + size] for i in range(0, len(samples), size)]
         prepared = [self._prepare(part, first=i == 0) for i, part in enumerate(parts)]
         extra: dict[str, float] = {}
+        moves = True
+        dp_group = self.groups.dp_group
         if self.cfg.token_advantages == "reinforce_pp":
-            prepared, extra = self._reinforce_pp(prepared)
-        steps = [self._step(p) for p in prepared]
-        return {**_average(steps), **extra}
+            prepared, extra = reinforce_pp_step(prepared, self.cfg.kl_in_reward, dp_group)
+        elif self.cfg.token_advantages == "gae":
+            if self.critic is None:
+                raise ValueError("token_advantages=gae needs a critic (Policy(critic=...))")
+            prepared, extra = gae_step(prepared, parts, self.critic, self.cfg, dp_group)
+            moves = self.updates >= self.critic.cfg.warmup_steps
+            extra["critic_warmup"] = float(not moves)
+        if moves:
+            metrics = _average([self._step(p) for p in prepared])
+        else:  # the critic's warm-up: what the policy would have trained on
+            metrics = {key: sum(getattr(p.denom, attr) for p in prepared) / len(prepared)
+                       for key, attr in (("tokens", "num_tokens"), ("sequences", "num_seqs"))}
+        self.updates += 1
+        return {**metrics, **extra}
 
-    def _reinforce_pp(self, prepared: list[_Prepared]) -> tuple[list[_Prepared], dict[str, float]]:
-        """Per-token REINFORCE++ advantages over the whole step (`rl.token_returns`)."""
-        from moerl.rl.token_returns import reinforce_pp
+    def checkpoint_parts(self) -> dict[str, Trainable]:
+        """The trainables saved beside the policy's in each checkpoint, by name."""
+        return {"critic": self.critic.trainable} if self.critic is not None else {}
 
-        micro = [mb for p in prepared for mb in p.micro]
-        old = [p.old[k] if p.old is not None else None
-               for p in prepared for k in range(len(p.micro))]  # fmt: skip
-        ref = [p.ref[k] if p.ref is not None else None
-               for p in prepared for k in range(len(p.micro))]  # fmt: skip
-        new, metrics = reinforce_pp(micro, old, ref, self.cfg.kl_in_reward, 1.0,
-                                    self.groups.dp_group)
-        batches = iter(new)
-        return [replace(p, micro=[next(batches) for _ in p.micro]) for p in prepared], metrics
-
-    def _prepare(self, samples: Sequence[RLSample], first: bool = True) -> _Prepared:
+    def _prepare(self, samples: Sequence[RLSample], first: bool = True) -> Prepared:
         """`first`: the step's first minibatch, trained before any weight moves."""
         micro = self.pack(samples)
         old: list[torch.Tensor] | None = None
@@ -218,9 +221,9 @@ class Policy:
         ref = [lp for lp, _ in self.logprobs(micro, reference=True)] if self.reference else None
         masks = [mb.loss_mask for mb in micro]
         denom = global_denominator(masks, self.cfg.norm_len, group=self.groups.dp_group)
-        return _Prepared(micro, old, ref, denom)
+        return Prepared(micro, old, ref, denom)
 
-    def _step(self, p: _Prepared) -> dict[str, float]:
+    def _step(self, p: Prepared) -> dict[str, float]:
         reports = self.forward_backward(p)
         ok, grad_norm, _ = self.trainable.optimizer.step()
         if ok:
@@ -236,7 +239,7 @@ class Policy:
         )
         return metrics
 
-    def forward_backward(self, p: _Prepared) -> list[dict[str, Any]]:
+    def forward_backward(self, p: Prepared) -> list[dict[str, Any]]:
         """Zero the grads, run the objective over the micro-batches; grads are then final.
 
         Returns the per-micro-batch metric reports (last pipeline stage only).

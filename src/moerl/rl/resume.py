@@ -1,7 +1,8 @@
 """Checkpoints of an RL run, and the RL state an exact resume continues from.
 
 A checkpoint (`moerl.checkpoint.checkpointer`) holds the policy's model and optimizer, the LR
-schedule and every rank's RNG. The RL run adds, as the checkpoint's JSON `rl` state:
+schedule and every rank's RNG, and the same of the critic (`rl.advantage=gae`) as its
+part "critic". The RL run adds, as the checkpoint's JSON `rl` state:
 
     next_step        the RL step to run next (the loop's steps done so far)
     weight_version   the version the rollout servers serve (pushed again on resume)
@@ -11,6 +12,7 @@ schedule and every rank's RNG. The RL run adds, as the checkpoint's JSON `rl` st
                      under the resumed weights, so an async resume repeats the data
                      but not those samples; a sync resume is exact.
     reference_id     which frozen reference model the run trains against
+    updates          the policy's update() calls so far (the critic's warm-up counts them)
 
 The reference model (the policy as RL started: after SFT, or the initial weights)
 is written once per run to `<checkpoint.dir>/reference`; a resume loads it from
@@ -49,6 +51,7 @@ class RLState:
     prompts: dict[str, Any]
     collected_ahead: int
     reference_id: str | None
+    updates: int
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any], where: Path) -> RLState:
@@ -57,7 +60,8 @@ class RLState:
             if not isinstance(rl, dict):
                 raise TypeError(f"'{RL_STATE}' is {type(rl).__name__}, not an object")
             state = cls(int(rl["next_step"]), int(rl["weight_version"]), dict(rl["prompts"]),
-                        int(rl.get("collected_ahead", 0)), rl.get("reference_id"))
+                        int(rl.get("collected_ahead", 0)), rl.get("reference_id"),
+                        int(rl["updates"] if "updates" in rl else rl["next_step"]))
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(
                 f"{where}: the RL state is missing or malformed ({err!r}); it cannot be "
@@ -108,7 +112,8 @@ class RLCheckpoints:
     def load(self, policy: Policy) -> RLState | None:
         """Resume `policy` from the checkpoint found (None: a fresh start, whose
         reference model is written now)."""
-        resumed = self.checkpointer.load(policy.trainable, require=(RL_STATE,))
+        resumed = self.checkpointer.load(policy.trainable, require=(RL_STATE,),
+                                         parts=policy.checkpoint_parts())
         if resumed is None:
             self._write_reference(policy)
             return None
@@ -121,6 +126,7 @@ class RLCheckpoints:
                 "resume in the run's own checkpoint.dir, or start a new run in another run_dir"
             )
         self.reference_id = state.reference_id
+        policy.updates = state.updates
         return state
 
     def _write_reference(self, policy: Policy) -> None:
@@ -144,9 +150,11 @@ class RLCheckpoints:
         def on_step_end(end: StepEnd) -> bool:
             done = end.step + 1
             rl = {"next_step": done, "weight_version": done, "prompts": end.prompts,
-                  "collected_ahead": end.collected_ahead, "reference_id": self.reference_id}
+                  "collected_ahead": end.collected_ahead, "reference_id": self.reference_id,
+                  "updates": policy.updates}
             return self.checkpointer.end_of_step(done, policy.trainable, {RL_STATE: rl}, stop,
-                                                 last=done == steps)
+                                                 last=done == steps,
+                                                 parts=policy.checkpoint_parts())
 
         return on_step_end
 

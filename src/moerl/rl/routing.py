@@ -23,21 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from torch.utils.hooks import RemovableHandle
 
 from moerl.models.arch import MoEArch
-
-
-def decoder_routers(chunks: Sequence[torch.nn.Module]) -> dict[int, TopKRouter]:
-    """The decoder's routers held by this rank, by their 1-based global layer number."""
-    found: dict[int, TopKRouter] = {}
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, TopKRouter) and not module.is_mtp_layer:
-                found[int(module.layer_number)] = module
-    return found
+from moerl.models.routers import decoder_routers
 
 
 def moe_layer_numbers(arch: MoEArch) -> list[int]:

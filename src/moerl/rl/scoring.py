@@ -70,19 +70,20 @@ def score_groups(
 
 
 def advantages(rewards: torch.Tensor, kind: str) -> torch.Tensor:
-    """(G, n) rewards -> (G, n) advantages. reinforce_pp: the rewards themselves, which
-    the policy update turns into per-token advantages (`rl.token_returns`)."""
-    if kind == "reinforce_pp":
+    """(G, n) rewards -> (G, n) advantages. reinforce_pp and gae: the rewards themselves,
+    which the policy update turns into per-token advantages (`rl.update_advantages`)."""
+    if kind in ("reinforce_pp", "gae"):
         return rewards.clone()
     if kind == "rloo":
         return rloo(rewards)
     return group_normalized(rewards, scale_by_std=kind == "grpo")
 
 
-def training_samples(groups: Sequence[ScoredGroup], cfg: RLConfig) -> list[RLSample]:
+def training_samples(groups: Sequence[ScoredGroup], cfg: RLConfig,
+                     first_group_id: int = 0) -> list[RLSample]:
     """Samples with advantages; infra-error samples are left out of their group."""
     out: list[RLSample] = []
-    for gid, group in enumerate(groups):
+    for gid, group in enumerate(groups, start=first_group_id):
         pairs = [(s, r) for s, r in zip(group.samples, group.rewards(cfg), strict=True)
                  if r is not None]
         if len(pairs) < 2:
@@ -97,8 +98,27 @@ def training_samples(groups: Sequence[ScoredGroup], cfg: RLConfig) -> list[RLSam
                 reward=reward,
                 weight_version=sample.weight_version,
                 group_id=gid,
+                routed_experts=routed_tensor(sample),
+                token_versions=None if sample.token_versions is None
+                else torch.tensor(sample.token_versions, dtype=torch.int64),
             ))
     return out
+
+
+def routed_tensor(sample: Sample) -> torch.Tensor | None:
+    """The engine's routed experts of `sample` as (MoE layers, prompt + completion,
+    top-k): the last token, which the engine never fed, takes the previous position's
+    experts (its output predicts nothing the loss reads)."""
+    routed = sample.routed_experts
+    if routed is None:
+        return None
+    dtype = torch.uint8 if routed.width == 1 else torch.int16
+    ids = torch.frombuffer(bytearray(routed.ids), dtype=dtype).reshape(routed.shape).long()
+    length = len(sample.prompt_token_ids) + len(sample.token_ids)
+    if ids.shape[1] != length - 1:
+        raise ValueError(f"routed experts cover {ids.shape[1]} positions, expected "
+                         f"{length - 1} (the prompt and every generated token but the last)")
+    return torch.cat([ids, ids[:, -1:]], dim=1)
 
 
 def group_metrics(groups: Sequence[ScoredGroup], cfg: RLConfig) -> dict[str, float]:

@@ -27,6 +27,24 @@ from moerl.data.rl_batch import RLMicroBatch
 from moerl.rl.advantages import discounted_returns, last_token_rewards
 
 
+def token_rewards(rewards: torch.Tensor, mask: torch.Tensor, behaviour: torch.Tensor | None,
+                  ref: torch.Tensor | None, kl_coef: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r_t (B, T), the KL penalty per token (B, T)) of one micro-batch: each row's reward
+    (B,) on its last loss token, minus beta * (log pi_old - log pi_ref) on every loss
+    token; 0 on padding rows and off the mask."""
+    rows = mask.bool().any(dim=-1)  # rows that are samples (not padding)
+    token_r = torch.zeros_like(mask)
+    token_r[rows] = last_token_rewards(rewards[rows].float(), mask[rows])
+    penalty = torch.zeros_like(mask)
+    if kl_coef:
+        if behaviour is None or ref is None:
+            raise ValueError("rl.kl_in_reward: needs the sampling policy's and the reference's "
+                             "logprobs (a reference model and rollout logprobs)")
+        penalty = kl_coef * (behaviour.float() - ref.float()) * mask
+    return token_r - penalty, penalty
+
+
 def step_returns(micro: RLMicroBatch, behaviour: torch.Tensor | None,
                  ref: torch.Tensor | None, kl_coef: float, gamma: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,17 +52,8 @@ def step_returns(micro: RLMicroBatch, behaviour: torch.Tensor | None,
     `advantages` hold the samples' rewards (B,)."""
     if micro.advantages.dim() != 1:
         raise ValueError("reinforce_pp: scoring must leave one reward per sample")
-    mask = micro.loss_mask
-    rows = mask.bool().any(dim=-1)  # rows that are samples (not padding)
-    token_r = torch.zeros_like(mask)
-    token_r[rows] = last_token_rewards(micro.advantages[rows].float(), mask[rows])
-    penalty = torch.zeros_like(mask)
-    if kl_coef:
-        if behaviour is None or ref is None:
-            raise ValueError("rl.kl_in_reward: needs the sampling policy's and the reference's "
-                             "logprobs (a reference model and rollout logprobs)")
-        penalty = kl_coef * (behaviour.float() - ref.float()) * mask
-    return discounted_returns(token_r - penalty, mask, gamma), penalty
+    r, penalty = token_rewards(micro.advantages, micro.loss_mask, behaviour, ref, kl_coef)
+    return discounted_returns(r, micro.loss_mask, gamma), penalty
 
 
 def whiten_over_step(values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
@@ -60,7 +69,8 @@ def whiten_over_step(values: Sequence[torch.Tensor], masks: Sequence[torch.Tenso
         dist.all_reduce(total, group=group)
     s, sq, n = total.tolist()
     if n < 2:
-        raise ValueError("reinforce_pp: the step needs at least two loss tokens to whiten")
+        raise ValueError("per-token advantages: the step needs at least two loss tokens to "
+                         "whiten them")
     mean = s / n
     std = max((sq - n * mean * mean) / (n - 1), 0.0) ** 0.5
     return [torch.where(m.bool(), (v - mean) / (std + eps), torch.zeros_like(v))

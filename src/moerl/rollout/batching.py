@@ -6,6 +6,12 @@ and runs them as one engine call. A weight update is a job too and runs alone,
 in arrival order: requests queued before it are answered by the old weights,
 requests after it by the new ones, and no batch straddles the two. A job that
 was cancelled while it waited (its client gave up) is skipped.
+
+With partial rollouts (`partial=True`, `--partial-rollouts`) an update does not wait
+for the running batch: the engine calls back after every decode step and the update
+runs there, so generations in flight go on under the new weights (each token records
+the version that sampled it) and the trainer's push is not held up by a long
+generation; requests still queued then run on the new version.
 """
 
 from __future__ import annotations
@@ -47,8 +53,11 @@ class _Update:
 class BatchScheduler:
     """Serialises access to one engine and batches what arrives together."""
 
-    def __init__(self, engine: RolloutEngine, max_batch: int, wait_s: float = 0.05) -> None:
+    def __init__(self, engine: RolloutEngine, max_batch: int, wait_s: float = 0.05,
+                 partial: bool = False) -> None:
         self.engine = engine
+        if partial:
+            engine.between_steps = self._updates_between_steps  # type: ignore[attr-defined]
         self.max_batch = max_batch
         # How long the oldest request may wait for others to fill its batch: requests
         # sent together reach the server a few ms apart, and a static batch cannot
@@ -154,6 +163,16 @@ class BatchScheduler:
             with self._wake:
                 later = [j for j in self._jobs if isinstance(j, _Update)]
                 self.pending_update = (later[0].version, time.monotonic()) if later else None
+
+    def _updates_between_steps(self) -> None:
+        """In the worker thread, inside a generation: run the updates waiting now."""
+        while True:
+            with self._wake:
+                job = next((j for j in self._jobs if isinstance(j, _Update)), None)
+                if job is None:
+                    return
+                self._jobs.remove(job)
+            self._run_update(job)
 
     def _run_batch(self, batch: list[_Generate]) -> None:
         requests = [r for job in batch for r in job.requests]

@@ -23,6 +23,10 @@ class RolloutStageConfig:
     request_timeout_s: float = 600.0
     speculative: Literal["none", "ngram", "mtp"] = "none"  # draft-and-verify decoding
     num_draft_tokens: int = 4
+    # With rl.mode=async: a weight update lands between two decode steps of the running
+    # batch instead of after it; every token records the version that sampled it, and
+    # the trainer masks tokens past rl.max_staleness (moerl engine, one-rank servers).
+    partial_rollouts: bool = False
     engine: str = "moerl"  # moerl | vllm | sglang (see rl.rollout.backends)
     # vllm / sglang only: they serve Hugging Face weights (`moerl hf export`).
     hf_model_dir: str | None = None

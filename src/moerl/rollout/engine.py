@@ -16,12 +16,13 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
+from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 
 from moerl.data.tokenizer import Tokenizer
@@ -29,6 +30,7 @@ from moerl.models.arch import MoEArch
 from moerl.models.precision import PrecisionConfig
 from moerl.rollout.dynamic_decode import DynamicDecoder, dynamic_missing
 from moerl.rollout.ranks import Command, RolloutRanks, WeightLoadError, serving_layout
+from moerl.rollout.routing_capture import RoutingCapture
 from moerl.rollout.sampling import RowSampling
 from moerl.rollout.speculative.config import SpeculativeConfig
 from moerl.rollout.speculative_decode import SpeculativeDecoder
@@ -66,6 +68,9 @@ class EngineOptions:
     logprob_mode: LogprobMode = "policy"  # default for requests that do not say
     # Drafts verified by the policy (static backend); samples keep the policy's distribution.
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # Partial rollouts: a weight update lands between two decode steps of a running
+    # batch (`between_steps`), and every token records the version that sampled it.
+    partial_rollouts: bool = False
 
 
 class MegatronEngine:
@@ -87,7 +92,12 @@ class MegatronEngine:
         self.options = options or EngineOptions()
         self._version = weight_version
         self._weights_path = Path(weights_path) if weights_path is not None else None
-        self.lock = threading.Lock()  # generation and weight loads, one at a time
+        # Generation and weight loads, one at a time; re-entrant: with partial rollouts an
+        # update runs inside a generation, between two of its decode steps.
+        self.lock = threading.RLock()
+        self.between_steps: Callable[[], None] | None = None
+        """Partial rollouts: called by the decoder after every step (the server's
+        scheduler runs the weight updates waiting for it)."""
         self.broken: str | None = None
         backend = self.options.backend
         if backend == "auto" and self.options.speculative.enabled:
@@ -103,6 +113,7 @@ class MegatronEngine:
                              "backend='static' and speculative.mode='none', or serve on one "
                              "rank")
         self._decoder: StaticDecoder | DynamicDecoder | SpeculativeDecoder
+        self.capture: RoutingCapture | None = None  # the static decoder's routed experts
         if speculative.enabled:
             self._decoder = SpeculativeDecoder(model, eos, tokenizer.decode, speculative)
         elif self.backend == "dynamic":
@@ -111,7 +122,13 @@ class MegatronEngine:
                 max_sequence_length, self.options.logprob_mode)
         else:
             agree = self.ranks.agree_samples if self.ranks is not None else None
-            self._decoder = StaticDecoder(model, eos, tokenizer.decode, agree)
+            self.capture = RoutingCapture(model)
+            self._decoder = StaticDecoder(model, eos, tokenizer.decode, agree, self.capture)
+            self._decoder.version = lambda: self._version
+            self._decoder.between_steps = self._between_steps
+        if self.options.partial_rollouts and (self.capture is None or self.ranks is not None):
+            raise ValueError("partial rollouts run on the static decoder of a one-process "
+                             "server: backend='static', no speculative decoding, one rank")
         model.eval()
 
     @staticmethod
@@ -139,6 +156,21 @@ class MegatronEngine:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model's context of {self.max_sequence_length} tokens"
             )
+        if params.return_routed_experts:
+            self._check_routing()
+
+    def _check_routing(self) -> None:
+        """The routed experts come from the static decoder on a whole model."""
+        why = None
+        if self.capture is None:
+            why = ("the static backend without speculative decoding captures them; serve "
+                   "with --backend static and no --speculative")
+        elif not self.capture.routers:
+            why = "this model has no MoE layer"
+        elif self.ranks is not None and ps.get_pipeline_model_parallel_world_size() > 1:
+            why = "a server with pipeline stages holds each layer's routers on one stage only"
+        if why is not None:
+            raise RequestError(f"return_routed_experts: not available here: {why}")
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
         for request in requests:
@@ -165,6 +197,8 @@ class MegatronEngine:
                 for i in range(request.sampling.n)
             ])
         version = self._version
+        if self.capture is not None:
+            self.capture.on = any(r.sampling.return_routed_experts for r in requests)
         flat = [row for group in rows for row in group]
         # Similar prompt lengths share a forward: fewer steps spent reading prompts.
         flat.sort(key=lambda r: len(r.prompt))
@@ -172,18 +206,27 @@ class MegatronEngine:
             self._decoder.decode(flat[i : i + self.options.max_batch])
         return [[self._sample(row, version) for row in group] for group in rows]
 
-    @staticmethod
-    def _sample(row: DecodeRow, version: int) -> Sample:
+    def _sample(self, row: DecodeRow, version: int) -> Sample:
         assert row.finish_reason is not None
+        routed = None
+        if row.sampling.params.return_routed_experts and self.capture is not None:
+            routed = self.capture.pack(row.routing)
+        partial = self.options.partial_rollouts and bool(row.versions)
         return Sample(
             prompt_token_ids=tuple(row.prompt),
             token_ids=tuple(row.token_ids),
             logprobs=tuple(row.logprobs),
             finish_reason=row.finish_reason,
-            weight_version=version,
+            weight_version=row.versions[0] if partial else version,
             text=row.text,
             speculation=row.speculation,
+            routed_experts=routed,
+            token_versions=tuple(row.versions) if partial else None,
         )
+
+    def _between_steps(self) -> None:
+        if self.options.partial_rollouts and self.between_steps is not None:
+            self.between_steps()
 
     def load_weights(self, path: str | Path, version: int) -> None:
         """Swap in the weights at `path` (a `models.weights` checkpoint) as `version`.

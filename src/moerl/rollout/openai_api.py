@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -46,6 +47,7 @@ class CompletionBody(BaseModel):
     stream: bool = False
     ignore_eos: bool = False
     logprob_mode: LogprobMode | None = None
+    return_routed_experts: bool = False  # moerl: per position, the experts each MoE layer chose
 
 
 class UpdateBody(BaseModel):
@@ -123,6 +125,7 @@ def to_requests(body: CompletionBody, tokenizer: Tokenizer,
             ignore_eos=body.ignore_eos,
             seed=None if body.seed is None else body.seed + j,
             logprob_mode=body.logprob_mode or default_mode,
+            return_routed_experts=body.return_routed_experts,
         )
         requests.append(GenerationRequest(tuple(ids), sampling))
     return requests
@@ -148,7 +151,23 @@ def _choice(index: int, sample: Sample, want_logprobs: bool,
         "token_ids": list(sample.token_ids),
         "token_logprobs": list(sample.logprobs),
         "speculation": dataclasses.asdict(sample.speculation) if sample.speculation else None,
+        "routed_experts": sample.routed_experts.to_json() if sample.routed_experts else None,
+        **({"weight_version": sample.weight_version,
+            "token_versions": run_lengths(sample.token_versions)}
+           if sample.token_versions is not None else {}),
     }
+
+
+def run_lengths(values: Sequence[int]) -> list[list[int]]:
+    """[[value, count], ...] of consecutive equal values: a sample's token versions
+    change at most once per weight update."""
+    out: list[list[int]] = []
+    for value in values:
+        if out and out[-1][0] == value:
+            out[-1][1] += 1
+        else:
+            out.append([value, 1])
+    return out
 
 
 def to_response(groups: list[list[Sample]], body: CompletionBody, model: str,
@@ -156,7 +175,8 @@ def to_response(groups: list[list[Sample]], body: CompletionBody, model: str,
     """OpenAI's response, choices prompt-major (prompt j, sample i -> index j * n + i)."""
     samples = [s for group in groups for s in group]
     versions = {s.weight_version for s in samples}
-    assert len(versions) == 1, f"one response mixes weight versions {versions}"
+    partial = any(s.token_versions is not None for s in samples)
+    assert partial or len(versions) == 1, f"one response mixes weight versions {versions}"
     prompt_tokens = sum(len(g[0].prompt_token_ids) for g in groups)
     completion_tokens = sum(len(s.token_ids) for s in samples)
     kind: Literal["text_completion"] = "text_completion"
@@ -169,5 +189,5 @@ def to_response(groups: list[list[Sample]], body: CompletionBody, model: str,
                     for i, s in enumerate(samples)],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
-        "weight_version": versions.pop(),
+        "weight_version": min(versions),  # partial rollouts: each choice has its own
     }

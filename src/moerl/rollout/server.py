@@ -197,6 +197,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--adaptive-drafts", action="store_true",
                    help="grow/shrink the draft length with each sample's acceptance")
     p.add_argument("--logprob-mode", choices=LOGPROB_MODES, default="policy")
+    p.add_argument("--partial-rollouts", action="store_true",
+                   help="apply a weight update between two decode steps of a running batch; "
+                        "each token records the version that sampled it")
     p.add_argument("--update-wait", type=float, default=30.0,
                    help="seconds a request may wait behind a weight update before a 503")
     p.add_argument("--transformer-impl", choices=get_args(TransformerImpl), default="auto",
@@ -237,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     speculative = SpeculativeConfig(mode=args.speculative, num_draft_tokens=args.num_draft_tokens,
                                     adaptive=args.adaptive_drafts)
-    options = EngineOptions(args.max_batch, args.backend, args.logprob_mode, speculative)
+    options = EngineOptions(args.max_batch, args.backend, args.logprob_mode, speculative,
+                            partial_rollouts=args.partial_rollouts)
     precision = PrecisionConfig(transformer_impl=args.transformer_impl,
                                 params_dtype=args.params_dtype, fp8=args.fp8)
     engine = build_engine(_arch(args), tokenizer, weights=args.weights, seed=args.seed,
@@ -246,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     if engine.ranks is not None and not engine.ranks.leader:
         follow(engine, engine.ranks)
         return 0
-    scheduler = BatchScheduler(engine, args.max_batch, args.batch_wait_ms / 1000)
+    scheduler = BatchScheduler(engine, args.max_batch, args.batch_wait_ms / 1000,
+                               partial=args.partial_rollouts)
     state = ServerState(engine, scheduler, args.model, args.update_wait)
     app = create_app(state)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,

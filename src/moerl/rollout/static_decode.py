@@ -28,6 +28,7 @@ from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper 
 from megatron.core.inference.utils import InferenceMode
 from megatron.core.models.gpt import GPTModel
 
+from moerl.rollout.routing_capture import RoutingCapture
 from moerl.rollout.sampling import RowSampling, choose_tokens
 from moerl.rollout.types import FinishReason, SpeculationStats
 
@@ -49,6 +50,11 @@ class DecodeRow:
     finish_reason: FinishReason | None = None
     text: str = ""
     speculation: SpeculationStats | None = None  # filled by the speculative decoder
+    routing: list[torch.Tensor] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """The weight version that sampled each token."""
+    """With a routing capture: (MoE layers, positions, top-k) of each forward that fed
+    this row, in position order."""
 
     @property
     def max_tokens(self) -> int:
@@ -78,12 +84,19 @@ class StaticDecoder:
     """Decodes a batch of `DecodeRow`s with a fresh KV cache sized to the batch."""
 
     def __init__(self, model: GPTModel, eos_id: int | None, detokenize: Detokenize,
-                 agree: AgreeSamples | None = None) -> None:
+                 agree: AgreeSamples | None = None,
+                 capture: RoutingCapture | None = None) -> None:
         self.model = model
         self.eos_id = eos_id
         self.detokenize = detokenize
         self.device = next(model.parameters()).device
         self.agree = agree
+        self.capture = capture
+        self.version: Callable[[], int] = lambda: 0
+        """The weights' version now (the engine's), recorded with every sampled token."""
+        self.between_steps: Callable[[], None] | None = None
+        """Partial rollouts: called after every decode step; a weight update it applies
+        takes effect from the next token on (the KV cache so far is kept)."""
 
     def decode(self, rows: list[DecodeRow]) -> None:
         with torch.inference_mode(), InferenceMode.active():
@@ -108,6 +121,10 @@ class StaticDecoder:
             # [k, V], for position `end`; None on a pipeline stage before the last
             logits = wrapper.run_one_forward_step(window)
             logits = None if logits is None else logits[:, -1, :]
+            if self.capture is not None and self.capture.on:
+                routed = self.capture.take(end - start, fed)
+                for j, slot in enumerate(live[:fed]):
+                    rows[slot].routing.append(routed[:, :, j])
             if start == 0:
                 context.enable_decode_mode()
             self._advance(rows, live[:fed], lengths, logits, tokens, end)
@@ -115,6 +132,8 @@ class StaticDecoder:
             unfinished = [r for r in live[:fed] if rows[r].finish_reason is None]
             if not unfinished:
                 return
+            if self.between_steps is not None:
+                self.between_steps()
             if fed - len(unfinished) >= max(1, fed // 4):
                 compact_cache(context, live, unfinished)
                 fed = len(unfinished)
@@ -145,11 +164,13 @@ class StaticDecoder:
         if self.agree is not None:
             new, logprobs = self.agree(new, logprobs, len(picks))
         assert new is not None and logprobs is not None, "logits on one stage: no agreement"
+        version = self.version()
         for j, row, token, logprob in zip(picks, chosen, new.tolist(), logprobs.tolist(),
                                           strict=True):
             tokens[slots[j], end] = token
             row.token_ids.append(token)
             row.logprobs.append(logprob)
+            row.versions.append(version)
             check_stop(row, self.eos_id, self.detokenize)
 
 

@@ -18,6 +18,8 @@ choice of the sampler, not of the policy.
 
 from __future__ import annotations
 
+import base64
+import zlib
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -50,6 +52,9 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprob_mode: LogprobMode = "policy"
+    return_routed_experts: bool = False
+    """Also return, per token the engine ran, the experts each MoE layer chose
+    (`Sample.routed_experts`), for the trainer to replay."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -121,3 +126,52 @@ class Sample:
     weight_version: int
     text: str = ""
     speculation: SpeculationStats | None = None  # None when decoded without speculation
+    routed_experts: RoutedExperts | None = None
+    """With `return_routed_experts`: the experts of every position the engine ran."""
+    token_versions: tuple[int, ...] | None = None
+    """Partial rollouts: the weight version that sampled each token (a weight update
+    can land between two decode steps); `weight_version` is the first token's. None:
+    every token is `weight_version`'s."""
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """The weight version of every generated token."""
+        return self.token_versions or (self.weight_version,) * len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """The experts an engine's MoE layers chose, per position of one sequence.
+
+    `shape` is (MoE layers, positions, top-k), layers in order, positions those the
+    engine ran: the prompt and every generated token but the last (which it never fed
+    back). `ids` holds the expert ids row-major, one byte each (two, little-endian,
+    past 256 experts). On the wire (`to_json`) they are zlib-compressed and base64'd:
+    consecutive tokens often share experts, and an id is one byte, not a JSON number.
+    """
+
+    shape: tuple[int, int, int]
+    ids: bytes
+
+    @property
+    def width(self) -> int:
+        """Bytes per id."""
+        return len(self.ids) // max(1, self.shape[0] * self.shape[1] * self.shape[2])
+
+    def to_json(self) -> dict[str, object]:
+        return {"shape": list(self.shape), "width": self.width,
+                "data": base64.b64encode(zlib.compress(self.ids, 1)).decode("ascii")}
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> RoutedExperts:
+        shape = data.get("shape")
+        payload = data.get("data")
+        if not (isinstance(shape, list) and len(shape) == 3 and isinstance(payload, str)):
+            raise ValueError("routed_experts: expected {shape: [layers, positions, topk], "
+                             "width, data}")
+        layers, positions, topk = (int(x) for x in shape)
+        ids = zlib.decompress(base64.b64decode(payload))
+        width = data.get("width", 1)
+        if len(ids) != layers * positions * topk * int(str(width)):
+            raise ValueError(f"routed_experts: {len(ids)} bytes do not hold shape {shape}")
+        return cls((layers, positions, topk), ids)

@@ -36,7 +36,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from moerl.rollout.backends import Engine
-from moerl.rollout.types import FinishReason, Sample, SamplingParams, SpeculationStats
+from moerl.rollout.types import (
+    FinishReason,
+    RoutedExperts,
+    Sample,
+    SamplingParams,
+    SpeculationStats,
+)
 
 Prompt = str | Sequence[int]
 _TOKEN_ID_PREFIX = "token_id:"
@@ -68,6 +74,9 @@ def generation_call(engine: Engine, prompts: Sequence[Prompt], sampling: Samplin
                     seed: int | None, model: str | None = None) -> GenerationCall:
     """The request for `prompts` (n samples each); prompt j is seeded from `seed + j`."""
     chunk = tuple(p if isinstance(p, str) else list(p) for p in prompts)
+    if sampling.return_routed_experts and engine != "moerl":
+        raise ValueError(f"return_routed_experts: rollout.engine={engine} does not return the "
+                         "experts it routed to; routing replay needs rollout.engine=moerl")
     if engine == "sglang":
         return GenerationCall("/generate", _sglang_body(chunk, sampling, seed), chunk, sampling.n)
     body: dict[str, Any] = {
@@ -81,6 +90,8 @@ def generation_call(engine: Engine, prompts: Sequence[Prompt], sampling: Samplin
                     return_tokens_as_token_ids=True)
     else:
         body.update(top_k=sampling.top_k, logprob_mode=sampling.logprob_mode)
+        if sampling.return_routed_experts:
+            body["return_routed_experts"] = True
     if model:
         body["model"] = model
     return GenerationCall("/v1/completions", body, chunk, sampling.n)
@@ -138,10 +149,15 @@ def parse_samples(reply: dict[str, Any]) -> list[Sample]:
             token_ids=tuple(choice.get("token_ids") or ()),
             logprobs=tuple(logprobs or ()),
             finish_reason=_finish(choice.get("finish_reason"), "moerl"),
-            weight_version=version,
+            weight_version=int(choice.get("weight_version", version)),
             text=choice.get("text", ""),
             speculation=SpeculationStats(**choice["speculation"]) if choice.get("speculation")
             else None,
+            routed_experts=RoutedExperts.from_json(choice["routed_experts"])
+            if choice.get("routed_experts") else None,
+            token_versions=tuple(v for v, count in choice["token_versions"]
+                                 for _ in range(count))
+            if choice.get("token_versions") else None,
         ))
     return samples
 

@@ -21,6 +21,15 @@ EXAMPLES: dict[str, tuple[dict[str, Any], str, str]] = {
     ),
     "math": ({"answer": "3"}, "\\boxed{3}", "\\boxed{4}"),
     "format": ({"tag": "answer"}, "<answer>3</answer>", "3"),
+    "exact_match": ({"answer": "1,200"}, "The total is <answer>1200</answer>.",
+                    "<answer>120</answer>"),
+    "scene": ({"target": {"objects": {"a": {"kind": "cube", "at": [1, 2, 0], "size": 1,
+                                             "material": "red"}}, "groups": {}},
+               "max_calls": 8},
+              '<calls>[{"call": "create", "args": {"name": "a", "kind": "cube", '
+              '"at": [1, 2, 0], "material": "red"}}]</calls>',
+              '<calls>[{"call": "create", "args": {"name": "a", "kind": "cube", '
+              '"at": [1, 2, 0], "material": "blue"}}]</calls>'),
 }  # fmt: skip
 
 

@@ -1,0 +1,191 @@
+"""One round of a step over prompts of many domains: each domain generated with its own
+sampling settings and group size, single-shot prompts scored together on the reward
+servers, terminal-domain prompts run as agent episodes; and the per-domain metrics.
+
+Per-domain metrics, one series per domain (W&B sections by metric, a line per domain):
+
+    domain_samples/<d>        samples generated this step
+    domain_reward/<d>         mean reward of the scored samples
+    domain_pass_rate/<d>      share of scored samples with reward 1
+    domain_length/<d>         mean response length (model tokens)
+    domain_truncated/<d>      share of samples cut at the token limit
+    domain_reward_seconds/<d> mean time of the reward function per sample (server side)
+    domain_infra_errors/<d>   samples without a reward because the system failed
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from moerl.agent.trajectory import Trajectory
+from moerl.data.domain_config import DomainConfig
+from moerl.data.prompts import PromptRecord
+from moerl.observability import StepTimer
+from moerl.rewards.client import RewardClient
+from moerl.rl.agent_collect import EPISODE, AgentCollector
+from moerl.rl.config import RLConfig, SamplingConfig
+from moerl.rl.scoring import ScoredGroup, score_groups
+from moerl.rollout.client import RolloutClient
+from moerl.rollout.types import Sample
+
+
+@dataclass(frozen=True)
+class DomainRun:
+    """How one domain's prompts are sampled: its group size and sampling settings."""
+
+    group_size: int
+    sampling: SamplingConfig
+
+
+def domain_runs(domains: Mapping[str, DomainConfig], cfg: RLConfig) -> dict[str, DomainRun]:
+    """Each domain's overrides applied to the run's `rl.group_size` and `rl.sampling`."""
+    runs = {}
+    for name, domain in domains.items():
+        s = domain.sampling
+        sampling = replace(
+            cfg.sampling,
+            max_tokens=s.max_tokens if s.max_tokens is not None else cfg.sampling.max_tokens,
+            temperature=(s.temperature if s.temperature is not None
+                         else cfg.sampling.temperature),
+            stop=list(s.stop) if s.stop is not None else list(cfg.sampling.stop))
+        runs[name] = DomainRun(domain.group_size or cfg.group_size, sampling)
+    return runs
+
+
+@dataclass
+class EpisodeGroup:
+    """A terminal-domain prompt's group: its episodes, graded by the task's check."""
+
+    record: PromptRecord
+    trajectories: list[Trajectory]
+
+    def rewards(self, cfg: RLConfig | None = None) -> list[float | None]:
+        return [None if t.is_infra_failure else t.reward for t in self.trajectories]
+
+    @property
+    def informative(self) -> bool:
+        valid = [r for r in self.rewards() if r is not None]
+        return len(valid) >= 2 and max(valid) > min(valid)
+
+
+Group = ScoredGroup | EpisodeGroup
+
+
+@dataclass
+class Generation:
+    """What one round needs from the controller (a subset of rl.loop.Controller)."""
+
+    engines: RolloutClient
+    judges: RewardClient
+    encode: Callable[[PromptRecord], list[int]]
+    stop_token_ids: tuple[int, ...]
+    runs: Mapping[str, DomainRun]
+    episodes: AgentCollector | None
+
+
+def run_round(gen: Generation, cfg: RLConfig, records: Sequence[PromptRecord], seed: int,
+              step: int, temperature: float | None = None, group_size: int | None = None,
+              timer: StepTimer | None = None) -> tuple[list[Group], dict[str, float]]:
+    """Every record's group, in the records' order, and the reward client's metrics.
+    `temperature` and `group_size` replace every domain's (held-out evaluation); `timer`
+    times the phases rollout (generation and episodes) and reward."""
+    timer = timer or StepTimer()
+    default = DomainRun(cfg.group_size, cfg.sampling)
+    by_domain: dict[str, list[int]] = defaultdict(list)
+    episodes: list[int] = []
+    for index, record in enumerate(records):
+        (episodes if record.reward == EPISODE else by_domain[record.domain]).append(index)
+    samples: dict[int, list[Sample]] = {}
+    for domain, indices in by_domain.items():
+        run = gen.runs.get(domain, default)
+        n = group_size or run.group_size
+        sampling = run.sampling if temperature is None else replace(run.sampling,
+                                                                    temperature=temperature)
+        with timer.phase("rollout"):
+            got = gen.engines.generate([gen.encode(records[i]) for i in indices], n=n,
+                                       sampling=sampling.params(
+                                           n, seed=seed, stop_token_ids=gen.stop_token_ids,
+                                           routed_experts=cfg.routing_replay
+                                           and group_size is None))
+        samples.update(zip(indices, got, strict=True))
+    groups: dict[int, Group] = {}
+    metrics: dict[str, float] = {}
+    if samples:
+        order = sorted(samples)
+        with timer.phase("reward"):
+            scored, metrics = score_groups(gen.judges, [records[i] for i in order],
+                                           [samples[i] for i in order], step)
+        groups.update(zip(order, scored, strict=True))
+    if episodes:
+        if gen.episodes is None:
+            raise RuntimeError("terminal-domain prompts need the agent collector "
+                               "(the trainer builds it for a mixture with a terminal domain)")
+        by_size: dict[int, list[int]] = defaultdict(list)
+        for i in episodes:
+            by_size[group_size or gen.runs.get(records[i].domain, default).group_size].append(i)
+        for n, indices in by_size.items():
+            tasks = [gen.episodes.task(str(records[i].spec["task"])) for i in indices]
+            with timer.phase("rollout"):
+                trajs = gen.episodes.run_groups(gen.engines, tasks, n, cfg, seed, temperature)
+            groups.update({i: EpisodeGroup(records[i], t)
+                           for i, t in zip(indices, trajs, strict=True)})
+    return [groups[i] for i in range(len(records))], metrics
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    reward: float | None
+    length: int
+    truncated: bool
+    seconds: float | None
+
+
+def _outcomes(group: Group) -> Iterable[_Outcome]:
+    if isinstance(group, EpisodeGroup):
+        for t in group.trajectories:
+            tokens = sum(len(s.token_ids) for s in t.segments if s.role == "model")
+            yield _Outcome(None if t.is_infra_failure else t.reward, tokens,
+                           bool(t.truncations) or t.status != "submitted", None)
+        return
+    for sample, result in zip(group.samples, group.results, strict=True):
+        yield _Outcome(result.reward, len(sample.token_ids), sample.finish_reason == "length",
+                       result.seconds)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return statistics.fmean(values) if values else 0.0
+
+
+def domain_metrics(groups: Sequence[Group], prefix: str = "domain_") -> dict[str, float]:
+    """The per-domain series of the module docstring over `groups` (records outside a
+    mixture, whose domain is "", are left out)."""
+    by_domain: dict[str, list[_Outcome]] = defaultdict(list)
+    for group in groups:
+        if group.record.domain:
+            by_domain[group.record.domain] += _outcomes(group)
+    out: dict[str, float] = {}
+    for name, outcomes in sorted(by_domain.items()):
+        scored = [o.reward for o in outcomes if o.reward is not None]
+        seconds = [o.seconds for o in outcomes if o.seconds is not None]
+        out |= {
+            f"{prefix}samples/{name}": float(len(outcomes)),
+            f"{prefix}reward/{name}": _mean(scored),
+            f"{prefix}pass_rate/{name}": _mean([r == 1.0 for r in scored]),
+            f"{prefix}length/{name}": _mean([o.length for o in outcomes]),
+            f"{prefix}truncated/{name}": _mean([o.truncated for o in outcomes]),
+            f"{prefix}infra_errors/{name}": float(len(outcomes) - len(scored)),
+        }
+        if seconds:
+            out[f"{prefix}reward_seconds/{name}"] = _mean(seconds)
+    return out
+
+
+def overall_rewards(groups: Sequence[Group]) -> dict[str, float]:
+    """reward/mean, reward/pass_rate and reward/infra_errors over every kind of group."""
+    outcomes = [o for g in groups for o in _outcomes(g)]
+    scored = [o.reward for o in outcomes if o.reward is not None]
+    return {"reward/mean": _mean(scored), "reward/pass_rate": _mean([r == 1.0 for r in scored]),
+            "reward/infra_errors": float(len(outcomes) - len(scored))}
