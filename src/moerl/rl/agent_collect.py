@@ -34,7 +34,7 @@ from moerl.data.rl_batch import RLSample
 from moerl.data.tokenizer import Tokenizer
 from moerl.observability import StepTimer
 from moerl.rl.config import AgentTasksConfig, RLConfig
-from moerl.rl.scoring import advantages
+from moerl.rl.scoring import advantages, has_spread
 from moerl.rollout.client import RolloutClient
 from moerl.sandbox import Sandbox, SandboxConfig
 from moerl.typed_config import ConfigError
@@ -77,8 +77,7 @@ def group_samples(groups: Sequence[Sequence[Trajectory]], cfg: RLConfig,
 
 
 def informative(group: Sequence[Trajectory]) -> bool:
-    rewards = [t.reward for t in group if t.reward is not None]
-    return len(rewards) >= 2 and max(rewards) > min(rewards)
+    return has_spread([t.reward for t in group])
 
 
 def episode_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:

@@ -27,7 +27,7 @@ from moerl.observability import StepTimer
 from moerl.rewards.client import RewardClient
 from moerl.rl.agent_collect import EPISODE, AgentCollector
 from moerl.rl.config import RLConfig, SamplingConfig
-from moerl.rl.scoring import ScoredGroup, score_groups
+from moerl.rl.scoring import ScoredGroup, has_spread, score_groups
 from moerl.rollout.client import RolloutClient
 from moerl.rollout.types import Sample
 
@@ -67,8 +67,7 @@ class EpisodeGroup:
 
     @property
     def informative(self) -> bool:
-        valid = [r for r in self.rewards() if r is not None]
-        return len(valid) >= 2 and max(valid) > min(valid)
+        return has_spread(self.rewards())
 
 
 Group = ScoredGroup | EpisodeGroup
@@ -91,7 +90,13 @@ def run_round(gen: Generation, cfg: RLConfig, records: Sequence[PromptRecord], s
               timer: StepTimer | None = None) -> tuple[list[Group], dict[str, float]]:
     """Every record's group, in the records' order, and the reward client's metrics.
     `temperature` and `group_size` replace every domain's (held-out evaluation); `timer`
-    times the phases rollout (generation and episodes) and reward."""
+    times the phases rollout (generation and episodes) and reward.
+
+    Domains are generated one after another, not sent together: the rows of a static
+    batch all sit at one position (rollout/static_decode.py), so a documents prompt
+    of 1,800 tokens beside 60-token ones is read one token a decode step and the
+    whole batch runs that many steps (the multidomain experiment's rollout took 2.5
+    times as long with the domains sent together)."""
     timer = timer or StepTimer()
     default = DomainRun(cfg.group_size, cfg.sampling)
     by_domain: dict[str, list[int]] = defaultdict(list)

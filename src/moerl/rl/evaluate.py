@@ -22,8 +22,9 @@ def evaluate(gen: Generation, cfg: RLConfig, records: Sequence[PromptRecord],
         return {}
     groups, _ = run_round(gen, cfg, records, seed=step, step=-1 - step,
                           temperature=cfg.eval_temperature, group_size=1)
-    rewards = [r for g in groups for r in g.rewards() if r is not None]
-    infra = sum(r is None for g in groups for r in g.rewards())
+    every = [r for g in groups for r in g.rewards()]
+    rewards = [r for r in every if r is not None]
+    infra = len(every) - len(rewards)
     per_domain = {k: v for k, v in domain_metrics(groups, prefix="eval_").items()
                   if k.startswith(("eval_pass_rate/", "eval_reward/"))}
     return {

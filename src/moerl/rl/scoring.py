@@ -39,8 +39,14 @@ class ScoredGroup:
 
     @property
     def informative(self) -> bool:
-        valid = [r for r in self.rewards() if r is not None]
-        return len(valid) >= 2 and max(valid) > min(valid)
+        return has_spread(self.rewards())
+
+
+def has_spread(rewards: Sequence[float | None]) -> bool:
+    """Whether a group's rewards differ (at least two scored, not all equal): only then
+    do group-relative advantages give it a gradient."""
+    valid = [r for r in rewards if r is not None]
+    return len(valid) >= 2 and max(valid) > min(valid)
 
 
 def overlong_penalty(sample: Sample, cfg: RLConfig) -> float:
