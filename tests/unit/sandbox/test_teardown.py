@@ -29,8 +29,9 @@ pytestmark = pytest.mark.sandbox
 PY = "/usr/bin/python3"
 # Leaves a grandchild that closes its stdio (so no pipe waits for it), starts a session of
 # its own and appends the monotonic clock (the host's: there is no time namespace) to
-# /work/beat without pause; the program itself exits at once. The grandchild's command
-# line ends with a marker put together at run time: bwrap's argv holds this text.
+# /work/beat without pause; the program itself exits once a first whole beat is written.
+# The grandchild's command line ends with a marker put together at run time: bwrap's argv
+# holds this text.
 WRITER = """
 import time
 while True:
@@ -46,7 +47,13 @@ if os.fork() == 0:
             os.close(fd)
         os.execv('{PY}', ['{PY}', '-c', {WRITER!r}, 'moerl-wri' + 'ter-' + sys.argv[1]])
     os._exit(0)
-while not os.path.exists('/work/beat'):
+def beat_written():  # a whole line: the file exists from the writer's open, empty
+    try:
+        with open('/work/beat') as beat:
+            return '\\n' in beat.read()
+    except FileNotFoundError:
+        return False
+while not beat_written():
     time.sleep(0.001)
 print('left a writer')
 """
