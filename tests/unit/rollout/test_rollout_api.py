@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import pytest
@@ -71,12 +72,16 @@ def test_client_groups_and_seeds_do_not_depend_on_chunking() -> None:
 
 
 def test_client_moves_off_a_failing_server_and_marks_it_dead() -> None:
-    seen: list[str] = []
+    bad_tried = threading.Event()
 
     def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request.url.host)
         if request.url.host == "bad":
+            bad_tried.set()
             raise httpx.ConnectError("refused")
+        # "good" answers only once "bad" was tried: its calls stay in flight, so the
+        # client's next pick goes to the server with fewer (instead of a finished call
+        # leaving both at none and the tie choosing "good" every time)
+        bad_tried.wait(timeout=10)
         if request.url.host == "busy":
             return httpx.Response(503, headers={"Retry-After": "0"}, text="updating")
         return _ok(request, 3)
