@@ -138,7 +138,9 @@ def _common_conf(root: Path, name: str, sock: Path, port: int) -> list[str]:
     return [
         f"ClusterName={name}", "SlurmctldHost=localhost(127.0.0.1)", f"SlurmctldPort={port}",
         "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", "CredType=cred/munge",
-        f"AuthInfo=socket={sock}", f"StateSaveLocation={root}/state",
+        # A requeued job waits one credential lifetime before it may start again
+        # (SLURM's default 120 s); 20 s keeps the requeue tests short.
+        f"AuthInfo=socket={sock},cred_expire=20", f"StateSaveLocation={root}/state",
         f"SlurmdSpoolDir={root}/spool/%n", f"SlurmctldPidFile={root}/slurmctld.pid",
         f"SlurmdPidFile={root}/slurmd-%n.pid", f"SlurmctldLogFile={root}/slurmctld.log",
         f"SlurmdLogFile={root}/slurmd-%n.log", "SelectType=select/cons_tres",

@@ -200,9 +200,9 @@ def _signal_requeue_resume(watch: RunWatch, cluster: SlurmCluster) -> None:
     assert cluster.job_field(job, "JobState") not in {"COMPLETED", "FAILED", "CANCELLED"}, diag
     assert step < RESUME_STEPS, f"the signal came after the last step; nothing to resume\n{diag}"
 
-    # The second attempt starts after SLURM's requeue delay (~120 s, the credential
-    # lifetime). It is not cut short: a launch before the first attempt's credential
-    # expires is refused ("Job credential revoked") and the job fails.
+    # The second attempt starts after SLURM's requeue delay (the credential lifetime:
+    # 20 s in the test cluster's AuthInfo). It is not cut short: a launch before the
+    # first attempt's credential expires is refused ("Job credential revoked").
     finished = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
     watch.until(lambda: cluster.job_field(job, "JobState") in finished, 600, "job end", cluster)
     diag = watch.diagnostics(cluster)
