@@ -394,3 +394,22 @@ def test_sigterm_answers_queued_items_and_exits_clean(tmp_path: Path) -> None:
     assert len(cancelled) >= 5, rows
     assert list(work.glob(f"run-{proc.pid}-*")) == []
 
+
+def test_a_private_tmpdir_does_not_turn_every_item_into_an_infra_error(tmp_path: Path) -> None:
+    """TMPDIR under a 0700 directory (a SLURM job's per-job tmp): the sandbox user
+    cannot reach it, so the server places its work dirs where it can (RELIABILITY.md
+    28) and a correct completion scores 1.0."""
+    private = tmp_path / "job-tmp"
+    private.mkdir(mode=0o700)
+    os.chmod(private, 0o700)  # whatever the umask
+    rendezvous = tmp_path / "rendezvous"
+    proc = start_server(rendezvous, "--max-concurrency", "1", env={"TMPDIR": str(private)})
+    try:
+        item = {"id": "he", "reward": "humaneval", "completion": "    return x * x\n", "spec": HE}
+        (row,) = _post(rendezvous, [item])
+        assert row["reward"] == 1.0, row
+        # The warm slot launched next lives outside the private dir too.
+        assert not list(private.rglob("run-*")), list(private.rglob("*"))
+    finally:
+        proc.kill()
+        proc.wait()

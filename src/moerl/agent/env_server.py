@@ -16,6 +16,7 @@ closed (its files removed); a full server answers 429. A call whose environment 
 (the environment crashed, not the model's action) recreates it, restored to the last
 snapshot the crashed one handed over (or to its task's start), and answers with a
 `fault`: the scheduler treats that as an environment fault, restores and goes on.
+Tasks and calls are checked, and replies made safe, per session (env_requests.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from moerl.agent.environment import (
 )
 from moerl.rendezvous import ENV_INDEX, ENV_RENDEZVOUS, announce
 from moerl.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
+from moerl.sandbox.preflight import check_sandbox
 
 log = logging.getLogger(__name__)
 TERMINAL = "moerl.agent.terminal:TerminalEnvironment"
@@ -258,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sandbox = Sandbox(SandboxConfig(isolation=args.isolation))
     except SandboxUnavailable as exc:
+        print(f"error: {exc}", flush=True)
+        return 2
+    try:
+        check_sandbox(sandbox)  # refuse now rather than fault every session
+    except SandboxUnavailable as exc:
+        sandbox.close()
         print(f"error: {exc}", flush=True)
         return 2
     sessions = Sessions(sandbox, args.max_sessions, args.idle_timeout)

@@ -42,6 +42,7 @@ from moerl.rewards.items import (
 from moerl.rewards.protocol import InvalidSpec, RewardFunction, RewardResult
 from moerl.rewards.registry import BUILTIN, RewardLoadError, load_rewards
 from moerl.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
+from moerl.sandbox.preflight import check_sandbox
 from moerl.sandbox.workspace import remove_shared_copies
 
 log = logging.getLogger(__name__)
@@ -234,8 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         sandbox = Sandbox(SandboxConfig(isolation=args.isolation, warm_slots=args.warm_slots))
+    except SandboxUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        check_sandbox(sandbox)  # refuse now rather than answer every item with infra errors
         rewards = load_rewards(_reward_paths(args.reward), sandbox)
     except (SandboxUnavailable, RewardLoadError) as exc:
+        sandbox.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
     app = create_app(rewards, args.max_concurrency, args.max_batch_items,
