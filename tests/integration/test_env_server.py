@@ -178,6 +178,9 @@ def test_a_private_tmpdir_and_hostile_session_inputs(tmp_path: Path) -> None:
     private = tmp_path / "job-tmp"
     private.mkdir()
     os.chmod(private, 0o700)
+    deep: object = "ls"
+    for _ in range(100):
+        deep = [deep]
     with env_server(tmp_path, extra_env={"TMPDIR": str(private)}) as url:
         sid = httpx.post(f"{url}/sessions", json={}).json()["id"]
         for task, why in [({"instruction": "x"}, "task.id is missing"),
@@ -195,7 +198,9 @@ def test_a_private_tmpdir_and_hostile_session_inputs(tmp_path: Path) -> None:
                  ({"name": "run", "arguments": {"command": "printf '\udc80' | wc -c"}},
                   False, "stdout:\n3"),  # U+FFFD: three bytes of UTF-8
                  ({"name": "write_file", "arguments": {"path": "x"}}, True, "missing required"),
-                 ({"name": 3}, True, 'needs a string "name"')]  # fmt: skip
+                 ({"name": 3}, True, 'needs a string "name"'),
+                 ({"name": "run", "arguments": {"command": deep}}, True, "value nests deeper"),
+                 ]  # fmt: skip
         for call, error, says in calls:
             seen = _post(url, f"/sessions/{sid}/step", {"call": call}).json()
             assert seen["fault"] is None and seen["error"] is error and says in seen["text"], seen

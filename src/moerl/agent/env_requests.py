@@ -66,25 +66,16 @@ def parse_call(body: Any, tools: Sequence[ToolSpec]) -> ToolCall | Observation:
     if not isinstance(arguments, dict):
         return Observation(f'"arguments" must be a JSON object, got {type(arguments).__name__}',
                            error=True)  # fmt: skip
-    if _too_deep(arguments):
-        return Observation(f"the call's arguments nest deeper than {wire.MAX_NESTING} levels",
-                           error=True)  # fmt: skip
-    (name, arguments), _ = wire.repair_values([body["name"], arguments])
+    try:
+        name, _ = wire.repair_text(body["name"])
+        arguments, _ = wire.repair_values(arguments)
+    except ValueError as exc:
+        return Observation(f"the call's arguments are refused: their value {exc}", error=True)
     # The same check the scheduler applies to the model's text, for calls sent directly.
     checked = parse_tool_call(ToolCall(name, arguments).to_text(), tools)
     if isinstance(checked, ToolCallError):
         return Observation(checked.message, error=True)
     return checked
-
-
-def _too_deep(value: Any, depth: int = 0) -> bool:
-    if depth >= wire.MAX_NESTING:
-        return isinstance(value, (list, dict))
-    if isinstance(value, list):
-        return any(_too_deep(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return any(_too_deep(v, depth + 1) for v in value.values())
-    return False
 
 
 def reply(data: Any) -> JSONResponse:

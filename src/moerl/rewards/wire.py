@@ -71,17 +71,19 @@ def repair_text(text: str) -> tuple[str, int]:
     return "".join(REPLACEMENT if "\ud800" <= c <= "\udfff" else c for c in text), replaced
 
 
-def repair_values(value: Any) -> tuple[Any, int]:
+def repair_values(value: Any, depth: int = 0) -> tuple[Any, int]:
     """`value` (decoded JSON) with `repair_text` applied to every string in it, keys
-    included, and the count of replaced characters. Model-written values only: their
-    nesting is bounded by the tool schema's check before they arrive here."""
+    included, and the count of replaced characters; ValueError when it nests deeper
+    than MAX_NESTING (model-written values: the caller tells the model)."""
     if isinstance(value, str):
         return repair_text(value)
+    if isinstance(value, (list, dict)) and depth >= MAX_NESTING:
+        raise ValueError(f"nests deeper than {MAX_NESTING} levels")
     if isinstance(value, list):
-        pairs = [repair_values(v) for v in value]
+        pairs = [repair_values(v, depth + 1) for v in value]
         return [v for v, _ in pairs], sum(n for _, n in pairs)
     if isinstance(value, dict):
-        items = [(repair_values(k), repair_values(v)) for k, v in value.items()]
+        items = [(repair_text(k), repair_values(v, depth + 1)) for k, v in value.items()]
         return ({k: v for (k, _), (v, _) in items},
                 sum(nk + nv for (_, nk), (_, nv) in items))  # fmt: skip
     return value, 0

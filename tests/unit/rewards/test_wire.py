@@ -26,6 +26,11 @@ def test_model_text_is_repaired_as_a_replacing_decode_would_have_read_its_bytes(
     assert wire.repair_text(valid) == (valid, 0)
     repaired, count = wire.repair_values({"cmd\udc80": ["echo \ud800", 3, {"k": "\udfff"}]})
     assert repaired == {"cmd\ufffd": ["echo \ufffd", 3, {"k": "\ufffd"}]} and count == 3
+    deep: object = "x"
+    for _ in range(wire.MAX_NESTING + 1):
+        deep = [deep]
+    with pytest.raises(ValueError, match="nests deeper than"):
+        wire.repair_values(deep)
 
 
 def test_reference_data_is_refused_naming_the_field() -> None:
