@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from moerl.agent.environment import AgentTask, Observation
 from moerl.agent.tools import ToolCall, ToolCallError, ToolSpec, parse_tool_call
@@ -24,6 +25,14 @@ from moerl.rewards import wire
 
 _TASK_FIELDS = {f.name for f in dataclasses.fields(AgentTask)}
 _TEXT_FIELDS = ("id", "instruction", "check", "setup")
+
+
+class TaskBody(BaseModel):
+    task: dict[str, Any]
+
+
+class CallBody(BaseModel):
+    call: dict[str, Any]
 
 
 class BadRequest(ValueError):

@@ -38,7 +38,15 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from moerl.agent.env_requests import BadRequest, parse_call, parse_task, refuse, reply
+from moerl.agent.env_requests import (
+    BadRequest,
+    CallBody,
+    TaskBody,
+    parse_call,
+    parse_task,
+    refuse,
+    reply,
+)
 from moerl.agent.environment import (
     AgentTask,
     Environment,
@@ -48,7 +56,7 @@ from moerl.agent.environment import (
 )
 from moerl.rendezvous import ENV_INDEX, ENV_RENDEZVOUS, announce
 from moerl.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
-from moerl.sandbox.preflight import check_sandbox
+from moerl.sandbox.preflight import open_checked
 
 log = logging.getLogger(__name__)
 TERMINAL = "moerl.agent.terminal:TerminalEnvironment"
@@ -57,14 +65,6 @@ T = TypeVar("T")
 
 class SessionBody(BaseModel):
     environment: str = TERMINAL
-
-
-class TaskBody(BaseModel):
-    task: dict[str, Any]
-
-
-class CallBody(BaseModel):
-    call: dict[str, Any]
 
 
 @dataclass
@@ -257,15 +257,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        sandbox = Sandbox(SandboxConfig(isolation=args.isolation))
+    try:  # a sandbox that cannot run anything is refused now, not per session
+        sandbox = open_checked(SandboxConfig(isolation=args.isolation))
     except SandboxUnavailable as exc:
-        print(f"error: {exc}", flush=True)
-        return 2
-    try:
-        check_sandbox(sandbox)  # refuse now rather than fault every session
-    except SandboxUnavailable as exc:
-        sandbox.close()
         print(f"error: {exc}", flush=True)
         return 2
     sessions = Sessions(sandbox, args.max_sessions, args.idle_timeout)

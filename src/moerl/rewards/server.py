@@ -41,8 +41,8 @@ from moerl.rewards.items import (
 )
 from moerl.rewards.protocol import InvalidSpec, RewardFunction, RewardResult
 from moerl.rewards.registry import BUILTIN, RewardLoadError, load_rewards
-from moerl.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
-from moerl.sandbox.preflight import check_sandbox
+from moerl.sandbox import SandboxConfig, SandboxUnavailable
+from moerl.sandbox.preflight import open_checked
 from moerl.sandbox.workspace import remove_shared_copies
 
 log = logging.getLogger(__name__)
@@ -233,16 +233,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        sandbox = Sandbox(SandboxConfig(isolation=args.isolation, warm_slots=args.warm_slots))
-    except SandboxUnavailable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        check_sandbox(sandbox)  # refuse now rather than answer every item with infra errors
+    try:  # a sandbox that cannot run anything is refused now, not per item
+        sandbox = open_checked(SandboxConfig(isolation=args.isolation,
+                                             warm_slots=args.warm_slots))  # fmt: skip
         rewards = load_rewards(_reward_paths(args.reward), sandbox)
     except (SandboxUnavailable, RewardLoadError) as exc:
-        sandbox.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
     app = create_app(rewards, args.max_concurrency, args.max_batch_items,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import secrets
 
+from moerl.sandbox.config import SandboxConfig
 from moerl.sandbox.result import ExecutionStatus
 from moerl.sandbox.runner import Sandbox, SandboxUnavailable
 from moerl.sandbox.workspace import UnsafePath
@@ -39,3 +40,15 @@ def check_sandbox(sandbox: Sandbox) -> None:
         f"{sandbox.config.sandbox_uid}) must be able to search it and every directory above "
         "it. Fix: set TMPDIR to such a directory, or give that user search permission "
         "(chmod o+x) on the one in the way")
+
+
+def open_checked(config: SandboxConfig) -> Sandbox:
+    """A sandbox that has run the probe (`check_sandbox`); SandboxUnavailable, with
+    nothing of it left running, otherwise."""
+    sandbox = Sandbox(config)
+    try:
+        check_sandbox(sandbox)
+    except SandboxUnavailable:
+        sandbox.close()
+        raise
+    return sandbox

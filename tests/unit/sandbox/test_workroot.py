@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from moerl.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
-from moerl.sandbox.preflight import check_sandbox
+from moerl.sandbox.preflight import check_sandbox, open_checked
 from moerl.sandbox.workroot import DIR_NAME, WorkRootUnusable, blocking_dir, place_work_root
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox user differs only as root")
@@ -80,8 +80,6 @@ def test_a_configured_work_root_out_of_reach_refuses_the_sandbox(
 
 @pytest.mark.sandbox
 def test_a_sandbox_that_cannot_run_anything_refuses_at_the_probe() -> None:
-    broken = Sandbox(SandboxConfig(bwrap_path="/bin/false"))  # executable, starts nothing
     with pytest.raises(SandboxUnavailable, match=r"every item would be an infra error\. "
                                                  r"Work dirs are under /"):  # fmt: skip
-        check_sandbox(broken)
-    broken.close()
+        open_checked(SandboxConfig(bwrap_path="/bin/false"))  # executable, starts nothing
