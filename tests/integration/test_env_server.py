@@ -5,6 +5,7 @@ episode whose server is killed going on on another server."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -34,9 +35,9 @@ SERVERS: dict[str, subprocess.Popen[bytes]] = {}  # URL -> process, while it run
 
 
 @contextmanager
-def env_server(tmp: Path, *flags: str) -> Iterator[str]:
+def env_server(tmp: Path, *flags: str, extra_env: dict[str, str] | None = None) -> Iterator[str]:
     rendezvous = tmp / f"rendezvous-{len(list(tmp.iterdir()))}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    env = {**os.environ, **(extra_env or {}), "PYTHONPATH": os.pathsep.join(
         [str(ENVS), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.Popen([sys.executable, "-m", "moerl.launchers.cli", "serve", "env",
                              "--port", "0", "--rendezvous-dir", str(rendezvous), *flags],
@@ -160,3 +161,50 @@ def test_an_episode_whose_server_is_killed_goes_on_on_another(tmp_path: Path) ->
         assert made[0].moved == 1
         health = httpx.get(f"{second}/health").json()
         assert health["opened"] == 1
+
+
+def _post(url: str, path: str, body: object) -> httpx.Response:
+    """`body` encoded ASCII-escaped, so lone surrogates travel as they would from a
+    decode with surrogateescape."""
+    return httpx.post(f"{url}{path}", content=json.dumps(body), timeout=60,
+                      headers={"content-type": "application/json"})  # fmt: skip
+
+
+def test_a_private_tmpdir_and_hostile_session_inputs(tmp_path: Path) -> None:
+    """TMPDIR under a 0700 directory: the server puts its work dirs where the sandbox
+    user reaches them (RELIABILITY.md 28). A malformed task is refused naming its field;
+    the model's text holding lone surrogates is repaired and run, and a malformed call
+    comes back to the model as an error; none of them crashes the environment."""
+    private = tmp_path / "job-tmp"
+    private.mkdir()
+    os.chmod(private, 0o700)
+    deep: object = "ls"
+    for _ in range(100):
+        deep = [deep]
+    with env_server(tmp_path, extra_env={"TMPDIR": str(private)}) as url:
+        sid = httpx.post(f"{url}/sessions", json={}).json()["id"]
+        for task, why in [({"instruction": "x"}, "task.id is missing"),
+                          ({"id": "t", "instruction": "x", "files": ["a"]}, "task.files"),
+                          ({"id": "t", "instruction": "x", "colour": 1}, "unknown field"),
+                          ({"id": "t", "instruction": "x", "files": {"a.txt": "\udc80"}},
+                           "task.files.a.txt holds a lone surrogate")]:  # fmt: skip
+            refused = _post(url, f"/sessions/{sid}/reset", {"task": task})
+            assert refused.status_code == 422 and why in refused.text, refused.text
+        check = "def check():\n    return read('out.txt') == 'caf\ufffd'\n"
+        task = {"id": "t", "instruction": "x", "files": {"a.txt": "x"}, "check": check}
+        assert _post(url, f"/sessions/{sid}/reset", {"task": task}).json()["fault"] is None
+        calls = [({"name": "write_file", "arguments": {"path": "out.txt", "content": "caf\udc80"}},
+                  False, "wrote 4 characters"),
+                 ({"name": "run", "arguments": {"command": "printf '\udc80' | wc -c"}},
+                  False, "stdout:\n3"),  # U+FFFD: three bytes of UTF-8
+                 ({"name": "write_file", "arguments": {"path": "x"}}, True, "missing required"),
+                 ({"name": 3}, True, 'needs a string "name"'),
+                 ({"name": "run", "arguments": {"command": deep}}, True, "value nests deeper"),
+                 ]  # fmt: skip
+        for call, error, says in calls:
+            seen = _post(url, f"/sessions/{sid}/step", {"call": call}).json()
+            assert seen["fault"] is None and seen["error"] is error and says in seen["text"], seen
+        verdict = _post(url, f"/sessions/{sid}/verify", {}).json()
+        assert verdict["reward"] == 1.0, verdict
+        assert httpx.get(f"{url}/health").json()["recreated"] == 0
+        assert not list(private.rglob("run-*"))

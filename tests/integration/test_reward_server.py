@@ -44,26 +44,58 @@ class CountingReward:
         return RewardResult(reward=1.0)
 
 
+class OddDetailsReward:
+    """A plug-in whose details JSON cannot hold as they are: a NaN, an object, a lone
+    surrogate; spec {"not_a_result": true} makes it return a float instead."""
+
+    name = "odd"
+
+    def __init__(self, sandbox: object) -> None:
+        pass
+
+    def score(self, completion: str, spec: Mapping[str, Any]) -> RewardResult:
+        if spec.get("not_a_result"):
+            return 1.0  # type: ignore[return-value]
+        return RewardResult(reward=1.0, details={"nan": float("nan"), "obj": object(),
+                                                 "text": "\udc80", "big": 10**5000})
+
+
+def start_server(rendezvous: Path, *flags: str,
+                 env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:  # fmt: skip
+    """A reward server process on a free port, once it announced itself in `rendezvous`."""
+    if not Path("/usr/bin/bwrap").exists():
+        pytest.skip("bubblewrap is not installed")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moerl.rewards.server", "--host", "127.0.0.1", "--port", "0",
+         "--rendezvous-dir", str(rendezvous), *flags],
+        cwd=ROOT, env={**os.environ, **(env or {}),
+                       "PYTHONPATH": f"{ROOT / 'src'}:{Path(__file__).parent}"},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not discover(rendezvous) and time.monotonic() < deadline:
+            assert proc.poll() is None, "reward server exited during start-up"
+            time.sleep(0.1)
+        assert discover(rendezvous), "reward server never announced itself"
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
+
+
 @pytest.fixture(scope="module")
 def server(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
-    if not Path("/usr/bin/bwrap").exists():
-        pytest.skip("bubblewrap is not installed")
     rendezvous = tmp_path_factory.mktemp("rendezvous")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moerl.rewards.server", "--host", "127.0.0.1", "--port", "0",
-         "--max-concurrency", "2", "--rendezvous-dir", str(rendezvous),
-         "--reward", "humaneval=humaneval", "--reward", "stdio=stdio",
-         "--reward", "math=math", "--reward", "format=format",
-         "--reward", f"count={__name__}:CountingReward"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{Path(__file__).parent}"},
+    proc = start_server(
+        rendezvous, "--max-concurrency", "2",
+        "--reward", "humaneval=humaneval", "--reward", "stdio=stdio",
+        "--reward", "math=math", "--reward", "format=format",
+        "--reward", f"count={__name__}:CountingReward",
+        "--reward", f"odd={__name__}:OddDetailsReward",
     )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while not discover(rendezvous) and time.monotonic() < deadline:
-        assert proc.poll() is None, "reward server exited during start-up"
-        time.sleep(0.1)
-    assert discover(rendezvous), "reward server never announced itself"
     yield proc, rendezvous
     proc.kill()
     proc.wait()
@@ -132,6 +164,93 @@ def test_a_poison_item_leaves_the_rest_of_its_batch_scored(server: tuple[Any, Pa
     bad_id = rows[5]
     assert bad_id["error_kind"] == "invalid_spec" and bad_id["escaped"] is True
     assert bad_id["error"].startswith("item rejected: id:")
+
+
+def _post(rendezvous: Path, items: list[Any]) -> list[dict[str, Any]]:
+    body = json.dumps({"items": items})  # ensure_ascii: lone surrogates travel escaped
+    response = httpx.post(f"{discover(rendezvous)[0]}/score", content=body, timeout=60,
+                          headers={"content-type": "application/json"})  # fmt: skip
+    assert response.status_code == 200, response.text
+    rows: list[dict[str, Any]] = response.json()["results"]
+    assert len(rows) == len(items)
+    return rows
+
+
+def test_a_lone_surrogate_in_one_completion_leaves_the_batch_scored(
+    server: tuple[Any, Path],
+) -> None:
+    """The completion of a model whose bytes were decoded with surrogateescape: scored
+    as U+FFFD in the code (a compile error, reward 0), never an infra error, and the
+    seven beside it pass; the same batch through the client, which encodes it itself."""
+    correct = "    return x * x\n"
+    completions = [correct] * 8
+    completions[3] = "    return x \udc80 x\n"
+    items = [{"id": uuid.uuid4().hex, "reward": "humaneval", "completion": c, "spec": HE}
+             for c in completions]  # fmt: skip
+    rows = _post(server[1], items)
+    assert [r["reward"] for r in rows] == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0], rows
+    bad = rows[3]
+    assert bad["error_kind"] is None and bad["compile_ok"] is False
+    assert bad["details"]["completion_repaired"] == 1
+    report = client(server[1]).score([ScoreItem("humaneval", c, HE) for c in completions], 0)
+    assert [r.reward for r in report.results] == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    assert report.metrics["reward/repaired_completions"] == 1
+    assert report.metrics["reward/infra_errors"] == 0
+
+
+def test_hostile_contents_of_one_item_are_answered_for_that_item(
+    server: tuple[Any, Path],
+) -> None:
+    """Every other kind of value that used to fail a batch, each beside a good item:
+    reference data that is not valid Unicode or nests too deep, a number past Python's
+    parser or past any float, a NUL in a program, a non-object item, a plug-in whose
+    details JSON cannot hold or that returns no RewardResult."""
+    deep: Any = "leaf"
+    for _ in range(100):
+        deep = [deep]
+    refused: list[tuple[Any, str]] = [
+        ({"reward": "humaneval", "completion": "    return x * x\n",
+          "spec": {**HE, "test": HE["test"] + "# \udc80\n"}}, "spec.test holds a lone"),
+        ({"reward": "stdio", "completion": "print('ok')",
+          "spec": {**PRINTS_OK, "cases": [{"input": "\ud800", "output": "ok"}]}},
+         "spec.cases[0].input holds a lone"),
+        ({"reward": "stdio", "completion": "print('ok')", "spec": {**PRINTS_OK, "deep": deep}},
+         "nests deeper than"),
+        ({"reward": "math\udc80", "completion": "1", "spec": {"answer": "1"}}, "reward"),
+        ({"reward": "stdio", "completion": "print('ok')",
+          "spec": {**PRINTS_OK, "limits": {"wall_time_s": "LONG"}}},
+         "spec.limits.wall_time_s is a number of 5000 digits"),
+        (42, "item rejected"),
+    ]  # fmt: skip
+    scored: list[tuple[dict[str, Any], float]] = [
+        ({"reward": "stdio", "completion": "print('ok')  # \udc80", "spec": PRINTS_OK}, 1.0),
+        ({"reward": "stdio", "completion": "print('ok')\x00", "spec": PRINTS_OK}, 0.0),
+        ({"reward": "stdio", "completion": "print('ok')",
+          "spec": {**PRINTS_OK, "limits": {"wall_time_s": 10**400}}}, 1.0),
+        ({"reward": "odd", "completion": "", "spec": {}}, 1.0),
+    ]  # fmt: skip
+    good = {"reward": "humaneval", "completion": "    return x * x\n", "spec": HE}
+    items: list[Any] = []
+    for item, _ in [*refused, *scored]:
+        items.append({"id": uuid.uuid4().hex, **item} if isinstance(item, dict) else item)
+        items.append({"id": uuid.uuid4().hex, **good})
+    # An integer of 5000 digits, which Python's own JSON parser refuses, whole document.
+    body = json.dumps({"items": items}).replace('"LONG"', "9" * 5000)
+    response = httpx.post(f"{discover(server[1])[0]}/score", content=body, timeout=60,
+                          headers={"content-type": "application/json"})  # fmt: skip
+    assert response.status_code == 200, response.text
+    rows = response.json()["results"]
+    assert [r["reward"] for r in rows[1::2]] == [1.0] * (len(refused) + len(scored))
+    for row, (_, why) in zip(rows[0 : 2 * len(refused) : 2], refused, strict=True):
+        assert row["error_kind"] == "invalid_spec" and why in row["error"], row
+    for row, (_, reward) in zip(rows[2 * len(refused) :: 2], scored, strict=True):
+        assert row["error_kind"] is None and row["reward"] == reward, row
+    odd = rows[-2]["details"]
+    assert rows[-2]["escaped"] is True and odd["nan"] == "nan" and odd["text"] == "\\udc80"
+    assert odd["obj"].startswith("<object") and odd["big"].startswith("<an integer of")
+    not_a_result = _post(server[1], [{"id": uuid.uuid4().hex, "reward": "odd",
+                                      "completion": "", "spec": {"not_a_result": True}}])[0]
+    assert not_a_result["error_kind"] == "infra" and "returned a float" in not_a_result["error"]
 
 
 def test_a_batch_over_the_limit_is_refused_with_413(server: tuple[Any, Path]) -> None:
@@ -237,19 +356,9 @@ def test_sigterm_answers_queued_items_and_exits_clean(tmp_path: Path) -> None:
     """SIGTERM with a batch queued: the running item finishes, the queued ones come back
     as cancelled infra errors (the client sends them elsewhere), and the server exits
     within its grace period leaving no work dir behind."""
-    if not Path("/usr/bin/bwrap").exists():
-        pytest.skip("bubblewrap is not installed")
     rendezvous = tmp_path / "rendezvous"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moerl.rewards.server", "--host", "127.0.0.1", "--port", "0",
-         "--max-concurrency", "1", "--grace-s", "20", "--rendezvous-dir", str(rendezvous)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-    )  # fmt: skip
+    proc = start_server(rendezvous, "--max-concurrency", "1", "--grace-s", "20")
     try:
-        deadline = time.monotonic() + 60
-        while not discover(rendezvous) and time.monotonic() < deadline:
-            assert proc.poll() is None, "reward server exited during start-up"
-            time.sleep(0.1)
         url = discover(rendezvous)[0]
         # A HumanEval item first: the server then keeps a warm slot launched (its own work
         # dir and cgroup, a grader waiting on stdin), which the shutdown must remove too.
@@ -284,3 +393,23 @@ def test_sigterm_answers_queued_items_and_exits_clean(tmp_path: Path) -> None:
     assert len(done) >= 1 and len(done) + len(cancelled) == 8, rows
     assert len(cancelled) >= 5, rows
     assert list(work.glob(f"run-{proc.pid}-*")) == []
+
+
+def test_a_private_tmpdir_does_not_turn_every_item_into_an_infra_error(tmp_path: Path) -> None:
+    """TMPDIR under a 0700 directory (a SLURM job's per-job tmp): the sandbox user
+    cannot reach it, so the server places its work dirs where it can (RELIABILITY.md
+    28) and a correct completion scores 1.0."""
+    private = tmp_path / "job-tmp"
+    private.mkdir(mode=0o700)
+    os.chmod(private, 0o700)  # whatever the umask
+    rendezvous = tmp_path / "rendezvous"
+    proc = start_server(rendezvous, "--max-concurrency", "1", env={"TMPDIR": str(private)})
+    try:
+        item = {"id": "he", "reward": "humaneval", "completion": "    return x * x\n", "spec": HE}
+        (row,) = _post(rendezvous, [item])
+        assert row["reward"] == 1.0, row
+        # The warm slot launched next lives outside the private dir too.
+        assert not list(private.rglob("run-*")), list(private.rglob("*"))
+    finally:
+        proc.kill()
+        proc.wait()

@@ -16,6 +16,7 @@ closed (its files removed); a full server answers 429. A call whose environment 
 (the environment crashed, not the model's action) recreates it, restored to the last
 snapshot the crashed one handed over (or to its task's start), and answers with a
 `fault`: the scheduler treats that as an environment fault, restores and goes on.
+Tasks and calls are checked, and replies made safe, per session (env_requests.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from moerl.agent.env_requests import (
+    BadRequest,
+    CallBody,
+    TaskBody,
+    parse_call,
+    parse_task,
+    refuse,
+    reply,
+)
 from moerl.agent.environment import (
     AgentTask,
     Environment,
@@ -44,9 +54,9 @@ from moerl.agent.environment import (
     Observation,
     load_environment,
 )
-from moerl.agent.tools import ToolCall
 from moerl.rendezvous import ENV_INDEX, ENV_RENDEZVOUS, announce
 from moerl.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
+from moerl.sandbox.preflight import open_checked
 
 log = logging.getLogger(__name__)
 TERMINAL = "moerl.agent.terminal:TerminalEnvironment"
@@ -55,14 +65,6 @@ T = TypeVar("T")
 
 class SessionBody(BaseModel):
     environment: str = TERMINAL
-
-
-class TaskBody(BaseModel):
-    task: dict[str, Any]
-
-
-class CallBody(BaseModel):
-    call: dict[str, Any]
 
 
 @dataclass
@@ -154,12 +156,6 @@ class Sessions:
             session.env.reset(session.task)
 
 
-def _task(body: dict[str, Any]) -> AgentTask:
-    return AgentTask(id=str(body["id"]), instruction=str(body["instruction"]),
-                     files=dict(body.get("files") or {}), check=str(body.get("check", "")),
-                     max_turns=body.get("max_turns"), setup=str(body.get("setup", "")))
-
-
 def _crash(what: str) -> Observation:
     return Observation("", fault=f"the environment crashed during {what}; it was recreated")
 
@@ -188,32 +184,39 @@ def create_app(sessions: Sessions) -> FastAPI:
         return {"id": sid, "tools": [asdict(t) for t in session.env.tools]}
 
     @app.post("/sessions/{sid}/reset", response_model=None)
-    def reset(sid: str, body: TaskBody) -> dict[str, Any] | JSONResponse:
+    def reset(sid: str, body: TaskBody) -> JSONResponse:
         try:
-            task = _task(body.task)
+            task = parse_task(body.task)
+        except BadRequest as exc:
+            return refuse(str(exc))
+        try:
             sessions.get(sid).task = task
-            return asdict(sessions.call(sid, lambda env: env.reset(task), _crash("reset")))
+            return reply(asdict(sessions.call(sid, lambda env: env.reset(task), _crash("reset"))))
         except KeyError as exc:
             return missing(exc)
 
     @app.post("/sessions/{sid}/step", response_model=None)
-    def step(sid: str, body: CallBody) -> dict[str, Any] | JSONResponse:
-        call = ToolCall(str(body.call["name"]), dict(body.call.get("arguments") or {}))
+    def step(sid: str, body: CallBody) -> JSONResponse:
         try:
-            return asdict(sessions.call(sid, lambda env: env.step(call), _crash("a step")))
+            call = parse_call(body.call, sessions.get(sid).env.tools)
+            if isinstance(call, Observation):  # the model's malformed call, shown to it
+                return reply(asdict(call))
+            checked = call
+            return reply(asdict(sessions.call(sid, lambda env: env.step(checked),
+                                              _crash("a step"))))  # fmt: skip
         except KeyError as exc:
             return missing(exc)
 
     @app.post("/sessions/{sid}/verify", response_model=None)
-    def verify(sid: str) -> dict[str, Any] | JSONResponse:
+    def verify(sid: str) -> JSONResponse:
         try:
             result = sessions.call(sid, lambda env: env.verify(), None)
         except KeyError as exc:
             return missing(exc)
         if result is None:
-            return {"reward": None, "infra_error": "the environment crashed during "
-                    "verification; it was recreated", "details": {}}
-        return asdict(result)
+            return reply({"reward": None, "infra_error": "the environment crashed during "
+                          "verification; it was recreated", "details": {}})  # fmt: skip
+        return reply(asdict(result))
 
     @app.post("/sessions/{sid}/{action}", response_model=None)
     def keep(sid: str, action: str) -> dict[str, Any] | JSONResponse:
@@ -254,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        sandbox = Sandbox(SandboxConfig(isolation=args.isolation))
+    try:  # a sandbox that cannot run anything is refused now, not per session
+        sandbox = open_checked(SandboxConfig(isolation=args.isolation))
     except SandboxUnavailable as exc:
         print(f"error: {exc}", flush=True)
         return 2

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from moerl.rendezvous import read_endpoints
-from moerl.rewards.protocol import RewardRequest, RewardResult
+from moerl.rewards.protocol import REPAIRED, RewardRequest, RewardResult
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,8 @@ class RewardClient:
 
     def score(self, items: Sequence[ScoreItem], step: int) -> ScoreReport:
         """Score `items`; identical items within one step are scored once."""
-        metrics = dict.fromkeys(("retries", "cache_hits", "infra_errors", "invalid_spec"), 0.0)
+        metrics = dict.fromkeys(("retries", "cache_hits", "infra_errors", "invalid_spec",
+                                 "repaired_completions"), 0.0)  # fmt: skip
         if step != self._cache_step:
             self._cache, self._cache_step = {}, step
         keys = [_key(item) for item in items]
@@ -116,6 +117,8 @@ class RewardClient:
         results = [self._cache.get(k) or fresh[k] for k in keys]
         metrics["infra_errors"] = float(sum(r.error_kind == "infra" for r in results))
         metrics["invalid_spec"] = float(sum(r.error_kind == "invalid_spec" for r in results))
+        # Completions that held bytes a decode left as lone surrogates (scored as U+FFFD).
+        metrics["repaired_completions"] = float(sum(REPAIRED in r.details for r in results))
         for result in results:  # reward/limits/<name>: samples that hit each sandbox limit
             hit = result.details.get("limits_hit")
             for name in hit if isinstance(hit, list) else ():
@@ -192,8 +195,13 @@ class RewardClient:
     def _post_once(
         self, url: str, keys: list[str], batch: list[RewardRequest], body: dict[str, Any]
     ) -> dict[str, RewardResult]:
+        # Encoded here, ASCII-escaped: a completion holding a lone surrogate (or a NaN in
+        # a spec) must reach the server, which answers for that item alone; an encoder
+        # that writes raw UTF-8 or refuses NaN would fail the whole batch here.
+        content = json.dumps(body).encode()
         try:
-            response = self._http.post(f"{url}/score", json=body)
+            response = self._http.post(f"{url}/score", content=content,
+                                       headers={"content-type": "application/json"})  # fmt: skip
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise _Unsent(f"{url}: {type(exc).__name__}: {exc}") from exc
         if 400 <= response.status_code < 500 and response.status_code not in (408, 429):

@@ -16,6 +16,12 @@ JSON = None | bool | int | float | str | list["JSON"] | dict[str, "JSON"]
 ErrorKind = Literal["infra", "invalid_spec"]
 
 
+REPAIRED = "completion_repaired"
+"""Key of `RewardResult.details` set by the reward server when the completion held lone
+surrogates (text decoded from bytes that are not UTF-8): how many were scored as
+U+FFFD (see wire.py)."""
+
+
 class InvalidSpec(ValueError):
     """The reference data of a sample is malformed (bad input, not a model failure)."""
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
-import json
 import logging
 import os
 import socket
@@ -30,79 +28,24 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, ValidationError
 
 from moerl.rendezvous import ENV_INDEX, ENV_RENDEZVOUS, announce
+from moerl.rewards import wire
+from moerl.rewards.items import (
+    ScoreItem,
+    fingerprint,
+    parse_item,
+    raw_id,
+    response_row,
+    with_repair_noted,
+)
 from moerl.rewards.protocol import InvalidSpec, RewardFunction, RewardResult
 from moerl.rewards.registry import BUILTIN, RewardLoadError, load_rewards
-from moerl.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
+from moerl.sandbox import SandboxConfig, SandboxUnavailable
+from moerl.sandbox.preflight import open_checked
 from moerl.sandbox.workspace import remove_shared_copies
 
 log = logging.getLogger(__name__)
-
-
-class ScoreItem(BaseModel):
-    id: str = Field(min_length=1, max_length=200)
-    reward: str
-    completion: str
-    spec: dict[str, Any] = Field(default_factory=dict)
-
-
-def utf8_safe(value: Any) -> tuple[Any, bool]:
-    """`value` with every string made encodable as UTF-8 (a lone surrogate, which a
-    program's output or exception text can hold, becomes a backslash escape), and
-    whether anything had to be escaped. Containers are rebuilt; other values pass."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return value.encode("utf-8", "backslashreplace").decode("utf-8"), True
-        return value, False
-    if isinstance(value, dict):
-        pairs = [(utf8_safe(k), utf8_safe(v)) for k, v in value.items()]
-        return ({k: v for (k, _), (v, _) in pairs},
-                any(ek or ev for (_, ek), (_, ev) in pairs))  # fmt: skip
-    if isinstance(value, (list, tuple)):
-        items = [utf8_safe(v) for v in value]
-        return [v for v, _ in items], any(e for _, e in items)
-    return value, False
-
-
-def response_row(item_id: str, result: RewardResult) -> dict[str, Any]:
-    """One item's row of the response, safe to encode whatever the program wrote;
-    `"escaped": true` says some text in it was escaped."""
-    row, escaped = utf8_safe({"id": item_id, **result.to_json()})
-    if escaped:
-        row["escaped"] = True
-    return dict(row)
-
-
-def parse_item(raw: Any, max_completion_bytes: int) -> ScoreItem | RewardResult:
-    """The item, or its invalid_spec result naming what is wrong with it. A completion
-    over `max_completion_bytes` is refused by rule before it runs, so its size is never
-    charged to the model as a timeout or a memory kill."""
-    try:
-        item = ScoreItem.model_validate(raw)
-    except ValidationError as exc:
-        where = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'item'}: {e['msg']}"
-                          for e in exc.errors())  # fmt: skip
-        return RewardResult.invalid(f"item rejected: {where}")
-    size = len(item.completion.encode("utf-8"))
-    if size > max_completion_bytes:
-        return RewardResult.invalid(
-            f"completion of {size} bytes is over this server's limit of {max_completion_bytes} "
-            "(--max-completion-bytes); it was not run")
-    return item
-
-
-def _raw_id(raw: Any) -> str:
-    item_id = raw.get("id") if isinstance(raw, dict) else None
-    return item_id if isinstance(item_id, str) else ""
-
-
-def _fingerprint(item: ScoreItem) -> str:
-    body = json.dumps([item.reward, item.completion, item.spec], sort_keys=True, default=str)
-    return hashlib.sha256(body.encode()).hexdigest()
 
 
 class Scorer:
@@ -132,26 +75,29 @@ class Scorer:
         started = time.perf_counter()
         try:
             result = reward.score(item.completion, item.spec)
-            return replace(result, seconds=round(time.perf_counter() - started, 6))
         except InvalidSpec as exc:
-            return RewardResult.invalid(str(exc))
+            return RewardResult.invalid(wire.message(exc))
         except Exception as exc:  # a bug or a crash in a reward function is infra
             log.exception("reward %s failed", item.reward)
             tail = "".join(traceback.format_exception_only(exc)).strip()
             return RewardResult.infra(f"reward function {item.reward!r} raised: {tail}")
+        if not isinstance(result, RewardResult):
+            return RewardResult.infra(f"reward function {item.reward!r} returned a "
+                                      f"{type(result).__name__}, not a RewardResult")
+        return replace(result, seconds=round(time.perf_counter() - started, 6))
 
     async def score(self, item: ScoreItem) -> RewardResult:
-        fingerprint = _fingerprint(item)
+        asked = fingerprint(item)
         known = self.tasks.get(item.id)
         if known is not None:
-            if known[0] != fingerprint:
+            if known[0] != asked:
                 return RewardResult.invalid(f"id {item.id!r} was already used for another item")
             return await asyncio.shield(known[1])
         loop = asyncio.get_running_loop()
         # A task, not a bare await: if this request is cancelled (client gone), the
         # execution still finishes and its result waits for the retry.
         task = asyncio.ensure_future(loop.run_in_executor(self.pool, self.score_sync, item))
-        self.tasks[item.id] = (fingerprint, task)
+        self.tasks[item.id] = (asked, task)
         while len(self.tasks) > self.remember:
             oldest, (_, old_task) = next(iter(self.tasks.items()))
             if not old_task.done():
@@ -191,24 +137,31 @@ def create_app(rewards: Mapping[str, RewardFunction], max_concurrency: int,
         # holding a lone surrogate, a missing field) is that item's invalid_spec, and
         # the rest of the batch is scored.
         try:
-            raw_items = json.loads(await request.body())["items"]
+            raw_items = wire.loads(await request.body())["items"]
             if not isinstance(raw_items, list):
                 raise TypeError("items is not a list")
-        except (ValueError, KeyError, TypeError) as exc:
-            return JSONResponse({"detail": f'the body must be JSON {{"items": [...]}}: {exc}'},
-                                status_code=422)  # fmt: skip
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            return JSONResponse({"detail": f'the body must be JSON {{"items": [...]}}: '
+                                           f"{wire.error_text(exc)}"}, status_code=422)  # fmt: skip
         if len(raw_items) > max_batch_items:  # bounded work per request
             return JSONResponse(
                 {"detail": f"a batch of {len(raw_items)} items is over this server's limit of "
                            f"{max_batch_items} (--max-batch-items); send smaller batches "
                            "(rewards.batch_size)"}, status_code=413)  # fmt: skip
-        parsed = [parse_item(raw, max_completion_bytes) for raw in raw_items]
 
-        async def one(item: ScoreItem | RewardResult) -> RewardResult:
-            return item if isinstance(item, RewardResult) else await scorer.score(item)
+        async def one(raw: Any) -> RewardResult:
+            try:
+                item = parse_item(raw, max_completion_bytes)
+                if isinstance(item, RewardResult):
+                    return item
+                return with_repair_noted(await scorer.score(item), item)
+            except Exception as exc:  # a bug of the server's: this item's, not the batch's
+                log.exception("item %r failed outside its reward function", raw_id(raw))
+                return RewardResult.infra(f"the reward server failed on this item: "
+                                          f"{wire.error_text(exc)}")  # fmt: skip
 
-        results = await asyncio.gather(*(one(item) for item in parsed))
-        rows = [response_row(_raw_id(raw), r) for raw, r in zip(raw_items, results, strict=True)]
+        results = await asyncio.gather(*(one(raw) for raw in raw_items))
+        rows = [response_row(raw_id(raw), r) for raw, r in zip(raw_items, results, strict=True)]
         return JSONResponse({"results": rows})
 
     return app
@@ -280,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        sandbox = Sandbox(SandboxConfig(isolation=args.isolation, warm_slots=args.warm_slots))
+    try:  # a sandbox that cannot run anything is refused now, not per item
+        sandbox = open_checked(SandboxConfig(isolation=args.isolation,
+                                             warm_slots=args.warm_slots))  # fmt: skip
         rewards = load_rewards(_reward_paths(args.reward), sandbox)
     except (SandboxUnavailable, RewardLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -69,7 +69,11 @@ def clamp_request(requested: dict[str, float], default: Limits, maxima: Limits) 
     values: dict[str, Any] = {}
     for name in known:
         raw = requested.get(name, getattr(default, name))
-        number = float(raw) if isinstance(raw, (int, float)) and not isinstance(raw, bool) else 0
+        numeric = isinstance(raw, (int, float)) and not isinstance(raw, bool)
+        try:
+            number = float(raw) if numeric else 0.0
+        except OverflowError:  # an int past any float (10**400): more than any maximum
+            number = math.inf
         if not math.isfinite(number) or number <= 0:
             number = float(getattr(maxima, name))
         is_int = isinstance(getattr(default, name), int)

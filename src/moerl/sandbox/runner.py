@@ -15,6 +15,7 @@ group and the work dir happen afterwards in the background (cleanup.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -29,6 +30,7 @@ from moerl.sandbox.launch import Launched, close, finish, launch, new_group
 from moerl.sandbox.result import ExecutionResult, sandbox_error
 from moerl.sandbox.seccomp import SeccompUnsupported, build_filter
 from moerl.sandbox.warm import LaunchSignature, Slot, WarmPool
+from moerl.sandbox.workroot import WorkRootUnusable, place_work_root
 from moerl.sandbox.workspace import Workspace, readable_copy, sweep_stale_workspaces
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,12 @@ class Sandbox:
             self._seccomp = build_filter()
         except SeccompUnsupported as exc:
             raise SandboxUnavailable(f"{exc}; refusing to run untrusted code") from exc
+        try:
+            work_root = place_work_root(self.config.work_root, self.config.sandbox_uid,
+                                        self.config.sandbox_gid)  # fmt: skip
+        except WorkRootUnusable as exc:
+            raise SandboxUnavailable(str(exc)) from exc
+        self.config = dataclasses.replace(self.config, work_root=work_root)
         self.layout: CgroupLayout | None = None
         sweep_stale_workspaces(self.config.work_root)
         if self.config.isolation == "strict":

@@ -15,6 +15,8 @@ import tempfile
 import threading
 from pathlib import Path, PurePosixPath
 
+from moerl.sandbox.workroot import DIR_NAME
+
 
 class UnsafePath(ValueError):
     pass
@@ -28,7 +30,8 @@ def _parts(name: str) -> list[str]:
 
 
 def _base(root: Path | None) -> Path:
-    return root or Path(tempfile.gettempdir()) / "moerl-sandbox-work"
+    """`root`, as `Sandbox` placed it (workroot.py); the default place without one."""
+    return root or Path(tempfile.gettempdir()) / DIR_NAME
 
 
 def sweep_stale_workspaces(root: Path | None) -> int:
@@ -46,7 +49,7 @@ def sweep_stale_workspaces(root: Path | None) -> int:
 class Workspace:
     def __init__(self, root: Path | None, owner: tuple[int, int] | None) -> None:
         base = _base(root)
-        base.mkdir(parents=True, exist_ok=True)
+        base.mkdir(mode=0o711, parents=True, exist_ok=True)  # again, if it was removed
         # The owner's pid in the name lets the next sandbox remove what a crash left.
         self.path = Path(tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=base))
         self._owner = owner

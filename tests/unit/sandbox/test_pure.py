@@ -18,7 +18,7 @@ def test_model_requested_limits_are_clamped_to_the_maxima() -> None:
     assert got.cpu_time_s == Limits().cpu_time_s  # untouched fields keep the default
 
 
-@pytest.mark.parametrize("bad", [math.inf, math.nan, -1, 0, "10", True, None])
+@pytest.mark.parametrize("bad", [math.inf, math.nan, -1, 0, "10", True, None, 10**400])
 def test_nonsense_limit_values_fall_back_to_the_maximum_never_unlimited(bad: object) -> None:
     got = clamp_request({"wall_time_s": bad}, Limits(), MAXIMA)  # type: ignore[dict-item]
     assert got.wall_time_s == MAXIMA.wall_time_s
