@@ -68,7 +68,9 @@ def rollout_rank_bytes(arch: MoEArch, layout: ParallelLayout, rank: int,
                        ) -> tuple[int, dict[str, int]]:
     """(pipeline rank, bytes per term) of rank `rank` of one rollout engine."""
     with fake_rank(layout, rank) as groups:
-        (model,) = build_model(arch, layout, precision=precision, backend=groups.backend)
+        # Initial values are not data here: skip drawing them (shapes and dtypes alike).
+        (model,) = build_model(arch, layout, precision=precision, backend=groups.backend,
+                               perform_initialization=False)
         model.eval()
         width = fp8_weight_width([model]) if fp8 else None
         cache = allocate_kv_cache(model, rows, positions)
