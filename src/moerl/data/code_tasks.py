@@ -31,7 +31,12 @@ from dataclasses import dataclass
 OPERATOR_WORDS = {"plus": "+", "minus": "-", "times": "*"}
 _OPS = OPERATOR_WORDS
 _ARGS = ("n", "x", "a", "v", "k")
-TRAIN_NAMES = ("f", "g", "h", "calc", "step", "apply", "compute", "value")
+TRAIN_NAMES = ("f", "g", "h", "calc", "step", "apply", "compute", "value",
+               "q", "t", "y", "get", "run", "make", "find", "work", "task", "rule", "form",
+               "go", "use", "pick", "turn", "walk")
+"""Many names, so that a model learns the name is not what decides the body: with the
+first eight only, the demo's SFT and RL model failed held-out tasks named `func` or
+`answer` that it solved under a training name."""
 HELD_OUT_NAMES = ("m", "p", "r", "func", "solve", "result", "answer", "output")
 """Function names of held-out tasks only; like the training names, single letters and
 words that suggest no operator."""
