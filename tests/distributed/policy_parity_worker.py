@@ -23,8 +23,9 @@ from moerl.models.build import build_model
 from moerl.models.weights import save_weights
 from moerl.parallel.groups import destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
-from moerl.rl.losses import GRPOConfig, build_objective
-from moerl.rl.policy import Policy, PolicyConfig
+from moerl.rl.config import RLConfig
+from moerl.rl.losses import GRPOConfig
+from moerl.rl.policy import Policy
 from moerl.trainer.config import OptimConfig
 
 
@@ -50,9 +51,9 @@ def run(layout: ParallelLayout, ckpt: Path, save: bool) -> dict[str, object]:
         moe_logging.destroy_moe_metrics_tracker()
     torch.manual_seed(99)  # the loaded weights must not depend on this
     policy = Policy.build(
-        TINY, layout, OptimConfig(lr=1e-3, clip_grad=1.0),
-        build_objective("grpo", GRPOConfig(kl_coef=0.04, entropy_coef=0.01)), groups,
-        PolicyConfig(token_budget=48), weights=ckpt,
+        TINY, layout, OptimConfig(lr=1e-3, clip_grad=1.0), groups,
+        RLConfig(objective_args=GRPOConfig(kl_coef=0.04, entropy_coef=0.01), token_budget=48),
+        weights=ckpt,
     )
     batch = samples()
     before = policy.completion_logprobs(batch)

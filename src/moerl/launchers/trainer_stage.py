@@ -31,17 +31,15 @@ from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_paralle
 from moerl.rendezvous import ENV_RENDEZVOUS, read_endpoints, request_requeue
 from moerl.rewards.client import RewardClient, RewardClientConfig
 from moerl.rl.agent_collect import EPISODE, terminal_source
-from moerl.rl.config import PolicyConfig
 from moerl.rl.domains import domain_runs
 from moerl.rl.loop import Controller, train
-from moerl.rl.losses import build_objective, objective_config_class
 from moerl.rl.policy import Policy
 from moerl.rl.resume import RLCheckpoints
 from moerl.rl.weight_sync import build_weight_sync
 from moerl.rollout.client import ClientConfig, RolloutClient
 from moerl.signals import STOP_SIGNALS, StopOnSignal, start_helpers_ignoring
 from moerl.trainer.sft import build_sft_trainable, run_sft
-from moerl.typed_config import from_dict, to_dict
+from moerl.typed_config import to_dict
 
 
 def sft_phase(cfg: RunConfig, groups: ParallelGroups, tok: Tokenizer,
@@ -137,18 +135,9 @@ def build_policy(cfg: RunConfig, groups: ParallelGroups, weights: str | Path | N
                  recompute: RecomputeConfig) -> Policy:
     """The policy, its reference and, with `rl.advantage=gae`, PPO's critic: what every
     trainer rank builds (also `moerl rehearse`, on a fake rank)."""
-    objective_cfg = from_dict(objective_config_class(cfg.rl.objective),
-                              cfg.rl.objective_args, "rl.objective_args")
     policy = Policy.build(
-        cfg.model, cfg.parallel, cfg.optim, build_objective(cfg.rl.objective, objective_cfg),
-        groups, PolicyConfig(
-            token_budget=cfg.rl.token_budget, aux_losses=cfg.rl.aux_losses,
-            token_advantages=("reinforce_pp" if cfg.rl.advantage == "reinforce_pp" else
-                              "gae" if cfg.rl.advantage == "gae" else "none"),
-            kl_in_reward=cfg.rl.kl_in_reward, gae_gamma=cfg.rl.gae_gamma,
-            gae_lambda=cfg.rl.gae_lambda),
-        weights=weights, reference_weights=reference_weights,
-        precision=precision, recompute=recompute,
+        cfg.model, cfg.parallel, cfg.optim, groups, cfg.rl, weights=weights,
+        reference_weights=reference_weights, precision=precision, recompute=recompute,
     )
     if cfg.rl.advantage == "gae":  # PPO's critic; a resume then loads it from the checkpoint
         from moerl.rl.critic import Critic

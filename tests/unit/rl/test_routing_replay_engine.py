@@ -22,8 +22,8 @@ from moerl.models.routers import decoder_routers
 from moerl.models.weights import load_weights
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
-from moerl.rl.config import PolicyConfig
-from moerl.rl.losses import GRPOConfig, build_objective
+from moerl.rl.config import RLConfig
+from moerl.rl.losses import GRPOConfig
 from moerl.rl.policy import Policy
 from moerl.rl.scoring import routed_tensor
 from moerl.rollout.engine import EngineOptions, MegatronEngine
@@ -40,8 +40,8 @@ def policy() -> Iterator[Policy]:
     moe_logging.destroy_moe_metrics_tracker()
     torch.manual_seed(5)
     yield Policy.build(TINY, groups.layout, OptimConfig(lr=1e-3, min_lr=0.0, clip_grad=0.0),
-                       build_objective("grpo", GRPOConfig(kl_coef=0.0)), groups,
-                       PolicyConfig(token_budget=256, use_reference=False))
+                       groups, RLConfig(objective_args=GRPOConfig(kl_coef=0.0), token_budget=256,
+                                        use_reference=False, routing_replay=True))
     destroy_parallel()
 
 
