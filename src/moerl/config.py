@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from moerl.agent.server_config import EnvironmentStageConfig
 from moerl.checkpoint.config import CheckpointConfig
+from moerl.data.domain_config import DomainConfig
 from moerl.data.prompts import DataConfig
 from moerl.data.tokenizer import TokenizerConfig
 from moerl.models.arch import MoEArch
@@ -25,7 +26,7 @@ from moerl.rewards.config import RewardStageConfig
 from moerl.rl.config import RLConfig
 from moerl.rollout.config import RolloutStageConfig, server_ranks
 from moerl.trainer.config import OptimConfig, SFTConfig
-from moerl.typed_config import ConfigError, from_dict
+from moerl.typed_config import ConfigError, defaults_of, from_dict
 
 # SLURM's --mem-per-cpu: a number with an optional unit.
 MEM_PER_CPU = re.compile(r"^\d+[KMGT]?$")
@@ -44,10 +45,22 @@ def config_dir() -> Path:
     return path
 
 
-def compose(overrides: list[str], config_name: str = "config") -> dict[str, Any]:
-    """Hydra composition of configs/<config_name>.yaml with command-line overrides."""
+SCHEMA_NODE = "schema"  # what each root YAML lists first in its defaults
+DOMAIN_SCHEMA_NODE = "domain_schema"  # what each configs/domain file lists for its entry
+
+
+def compose(overrides: list[str], config_name: str = "config",
+            schema: type | None = None) -> dict[str, Any]:
+    """Hydra composition of configs/<config_name>.yaml with command-line overrides.
+
+    The root YAML starts from the dataclass defaults of `schema` (RunConfig unless
+    given), registered as the config `schema`, and each domain of configs/domain from
+    DomainConfig's (`domain_schema`): the YAML files hold only what differs from them,
+    and every field can still be overridden by name (an unknown one is refused by
+    Hydra, a mistyped one when the result is typed)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.core.config_store import ConfigStore
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -55,6 +68,9 @@ def compose(overrides: list[str], config_name: str = "config") -> dict[str, Any]
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"{bad[0]!r}: overrides look like key=value (e.g. parallel.tp=2)")
+    store = ConfigStore.instance()
+    store.store(name=SCHEMA_NODE, node=defaults_of(schema or RunConfig))
+    store.store(name=DOMAIN_SCHEMA_NODE, node=defaults_of(DomainConfig))
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             cfg = hydra_compose(config_name=config_name, overrides=overrides)
@@ -312,7 +328,13 @@ def check_domains(cfg: RunConfig) -> None:
 def load_run_config(overrides: list[str], world_size: int | None = None) -> RunConfig:
     """The typed run config; dp is derived from `world_size` (default: the launcher's
     trainer ranks) unless `parallel.dp` is given."""
-    data = compose(overrides)
+    return typed_run_config(compose(overrides), world_size)
+
+
+def typed_run_config(composed: dict[str, Any], world_size: int | None = None) -> RunConfig:
+    """A composed configuration (`compose`) as the typed run config: every group checked
+    (unknown keys, wrong types, each schema's own rules), nothing started."""
+    data = dict(composed)
     apply_model_from(data)
     # `resume=...` is a shorthand the YAML copies into checkpoint.resume (an interpolation).
     data.pop("resume", None)
