@@ -193,12 +193,17 @@ class ClusterConfig:
                      "rollout_master_port"):
             if not 0 < getattr(self, name) < 65536:
                 raise ValueError(f"cluster.{name}: expected a port in 1..65535")
-        # The SLURM script's own rules (launchers.slurm.SlurmConfig), at start-up
-        # rather than at submission.
+        # The SLURM script's own rules, at start-up rather than at submission.
         if self.mem_per_cpu is not None and not MEM_PER_CPU.match(self.mem_per_cpu):
             raise ValueError(f"cluster.mem_per_cpu={self.mem_per_cpu!r}: expected e.g. 4000, 4G")
         if self.signal_seconds < 0 or self.grace_s < 0:
             raise ValueError("cluster.signal_seconds and cluster.grace_s must be >= 0")
+
+    def partition(self, stage: str) -> str | None:
+        """The partition of a stage's het group (None: the cluster's default); the
+        environment servers run on the reward servers' CPU nodes."""
+        return {"trainer": self.trainer_partition, "rollout": self.rollout_partition,
+                "reward": self.reward_partition, "environment": self.reward_partition}[stage]
 
 
 @dataclass
