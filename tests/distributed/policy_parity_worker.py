@@ -11,11 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe import moe_logging
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the policy probe
+from policy_logprobs import completion_logprobs
 
 from moerl.data.rl_batch import RLSample
 from moerl.models.arch import TINY
@@ -56,9 +60,9 @@ def run(layout: ParallelLayout, ckpt: Path, save: bool) -> dict[str, object]:
         weights=ckpt,
     )
     batch = samples()
-    before = policy.completion_logprobs(batch)
+    before = completion_logprobs(policy, batch)
     metrics = policy.update(batch)
-    after = policy.completion_logprobs(batch)
+    after = completion_logprobs(policy, batch)
     dist.barrier()
     result = {
         "layout": layout.describe(), "rank": groups.rank,

@@ -156,23 +156,6 @@ class Policy:
             hooks=ForwardHooks(replay=replay), cp_group=self.cp_group,
         )
 
-    def completion_logprobs(self, samples: Sequence[RLSample]) -> list[torch.Tensor]:
-        """log pi(completion token) per sample, (C_i,) each, in order, on every rank."""
-        micro = self.pack(samples)
-        mine: list[tuple[int, torch.Tensor]] = []
-        for mb, (lp, _) in zip(micro, self.logprobs(micro), strict=True):
-            for row, index in enumerate(mb.sample_index):
-                s = samples[index]
-                start = s.prompt_ids.numel() - 1  # label position of the first completion token
-                mine.append((index, lp[row, start : start + s.completion_ids.numel()].clone()))
-        gathered: list[Any] = [None] * self.groups.layout.dp
-        if self.groups.layout.dp > 1:
-            dist.all_gather_object(gathered, mine, group=self.groups.dp_group)
-        else:
-            gathered = [mine]
-        ordered = dict(pair for part in gathered for pair in part)
-        return [ordered[i] for i in range(len(samples))]
-
     def update(self, samples: Sequence[RLSample], num_minibatches: int = 1) -> dict[str, float]:
         """`num_minibatches` optimizer steps over `samples` (the same list on every rank).
 

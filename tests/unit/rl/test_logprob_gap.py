@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from megatron.core.transformer.moe import moe_logging
+from policy_logprobs import completion_logprobs
 
 from moerl.data.rl_batch import RLSample
 from moerl.models.arch import TINY
@@ -41,7 +42,7 @@ def _samples(policy: Policy, shift: float) -> list[RLSample]:
                                 advantage=float(i % 2) - 0.5))
     # The last completion token of sample 0 is masked out: its huge gap must not count.
     samples[0] = dataclasses.replace(samples[0], loss_mask=torch.tensor([1.0, 1.0, 1.0, 0.0]))
-    trainer = policy.completion_logprobs(samples)
+    trainer = completion_logprobs(policy, samples)
     out = []
     for s, lp in zip(samples, trainer, strict=True):
         engine = lp + shift
@@ -64,7 +65,7 @@ def test_identical_logprobs_give_no_gap(policy: Policy) -> None:
 def test_shifted_logprobs_give_that_gap(policy: Policy) -> None:
     samples = _samples(policy, 0.1)
     # exp(lp + 0.1) - exp(lp) = (e^0.1 - 1) p, averaged over the counted tokens.
-    trainer = policy.completion_logprobs(samples)
+    trainer = completion_logprobs(policy, samples)
     probs = torch.cat([(lp[:-1] if s.loss_mask is not None else lp).exp()
                        for s, lp in zip(samples, trainer, strict=True)])
     want = (math.exp(0.1) - 1) * float(probs.double().mean())

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from megatron.core.transformer.moe import moe_logging
+from policy_logprobs import completion_logprobs
 
 from moerl.data.rl_batch import RLSample
 from moerl.models.arch import TINY, MoEArch
@@ -77,7 +78,7 @@ def test_logprobs_match_full_forward(groups: ParallelGroups) -> None:
         want = torch.log_softmax(logits.float(), -1).gather(-1, mb.labels[..., None])[..., 0]
         assert (lp - want).abs().max() < 1e-5
         assert (ent - entropy_from_logits(logits)).abs().max() < 1e-5
-    per_sample = policy.completion_logprobs(samples)
+    per_sample = completion_logprobs(policy, samples)
     assert [t.numel() for t in per_sample] == [s.completion_ids.numel() for s in samples]
 
 
@@ -89,7 +90,7 @@ def test_gradient_equals_direct_autograd(groups: ParallelGroups) -> None:
                    recompute_old_logprobs=False)
     samples = make_samples(6, arch.vocab_size, seed=1)
     # Old logprobs = current ones + noise, so some ratios leave the clip range.
-    current = policy.completion_logprobs(samples)
+    current = completion_logprobs(policy, samples)
     gen = torch.Generator().manual_seed(5)
     samples = [dataclasses.replace(
         s, rollout_logprobs=lp + 0.4 * torch.randn(lp.shape, generator=gen))
@@ -137,7 +138,7 @@ def test_update_learns_from_rewards(groups: ParallelGroups, tmp_path: Path) -> N
                for a in (1.0, 1.0, -1.0, -1.0)]
 
     def total_logprob() -> list[float]:
-        return [float(t.sum()) for t in policy.completion_logprobs(samples)]
+        return [float(t.sum()) for t in completion_logprobs(policy, samples)]
 
     before = total_logprob()
     history = [policy.update(samples) for _ in range(3)]

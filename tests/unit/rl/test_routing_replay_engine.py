@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from megatron.core.transformer.moe import moe_logging
+from policy_logprobs import completion_logprobs
 
 from moerl.data.rl_batch import RLSample
 from moerl.data.tokenizer import ByteTokenizer
@@ -61,7 +62,7 @@ def _through_the_wire(groups: list[list[Sample]]) -> list[Sample]:
 def _gap(policy: Policy, samples: list[Sample], replay: bool) -> float:
     rl = [RLSample(torch.tensor(s.prompt_token_ids), torch.tensor(s.token_ids), 0.0,
                    routed_experts=routed_tensor(s) if replay else None) for s in samples]
-    trainer = policy.completion_logprobs(rl)
+    trainer = completion_logprobs(policy, rl)
     return max(float((lp - torch.tensor(s.logprobs)).abs().max())
                for lp, s in zip(trainer, samples, strict=True))
 
