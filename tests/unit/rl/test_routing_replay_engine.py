@@ -70,10 +70,13 @@ def _gap(policy: Policy, samples: list[Sample], replay: bool) -> float:
 def test_replayed_engine_routing_keeps_the_gap_at_noise(policy: Policy, tmp_path: Path) -> None:
     engine = _engine(policy, tmp_path)
     gen = torch.Generator().manual_seed(0)
-    requests = [GenerationRequest(tuple(torch.randint(1, 200, (5 + i,), generator=gen).tolist()),
-                                  SamplingParams(max_tokens=10, n=2, seed=7 + i,
+    # Eight rows, one of them done early: it stays in the batch (not yet compacted)
+    # while the others go on, and its routing must end where its tokens do.
+    requests = [GenerationRequest(tuple(torch.randint(1, 200, (5 + i % 3,),
+                                                      generator=gen).tolist()),
+                                  SamplingParams(max_tokens=3 if i == 5 else 10, seed=7 + i,
                                                  ignore_eos=True, return_routed_experts=True))
-                for i in range(3)]
+                for i in range(8)]
     samples = _through_the_wire(engine.generate(requests))
     moe_layers = sum(TINY.is_moe_layer(i) for i in range(TINY.num_layers))
     for s in samples:
