@@ -27,18 +27,18 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from local_servers import started
+from text_rewards import PLUGIN, letter_prompts
 
 from moerl.models.arch import TINY
 from moerl.rl.config import AdvantageKind
 from moerl.rl.objective_config import OBJECTIVE_NAMES
 
 HERE = Path(__file__).parent
-REWARD = "letter_share=text_rewards:LetterShare"
 COMMON = [
     "sft.steps=0", "checkpoint.dir=null", "logger.wandb_mode=disabled", "logger.plot=false",
     "rl.steps=2", "rl.prompts_per_step=2", "rl.group_size=4", "rl.max_generation_rounds=1",
     "rl.dynamic_sampling=false", "rl.eval_interval=0", "rl.sampling.max_tokens=8",
-    "data.source=jsonl", f"+rewards.plugins.{REWARD}",
+    "data.source=jsonl", f"+rewards.plugins.{PLUGIN}",
 ]  # fmt: skip
 
 
@@ -81,13 +81,10 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Pa
     rendezvous, arch = root / "rendezvous", root / "arch.json"
     rendezvous.mkdir()
     arch.write_text(json.dumps(dataclasses.asdict(TINY)))
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Say something, {i}.",
-                                           "reward": "letter_share", "spec": {}}) + "\n"
-                               for i in range(8)))
+    prompts = letter_prompts(root / "prompts.jsonl")
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     reward = [sys.executable, "-m", "moerl.rewards.server", "--host", "127.0.0.1", "--port", "0",
-              "--rendezvous-dir", str(rendezvous), "--reward", REWARD, "--max-concurrency", "2"]
+              "--rendezvous-dir", str(rendezvous), "--reward", PLUGIN, "--max-concurrency", "2"]
     rollout = [sys.executable, "-m", "moerl.rollout.server", "--host", "127.0.0.1", "--port",
                "0", "--rendezvous-dir", str(rendezvous), "--arch-file", str(arch),
                "--max-batch", "8"]

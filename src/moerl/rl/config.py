@@ -23,13 +23,17 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0
     stop: list[str] = field(default_factory=list)
+    # Every completion runs to max_tokens: neither EOS nor the tokenizer's end-of-turn
+    # ids stop it (fixed lengths, e.g. to measure steps or long generations).
+    ignore_eos: bool = False
 
     def params(self, n: int, seed: int | None, stop_token_ids: tuple[int, ...] = (),
                routed_experts: bool = False) -> SamplingParams:
         return SamplingParams(
             max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, n=n, stop=tuple(self.stop), seed=seed,
-            stop_token_ids=stop_token_ids, return_routed_experts=routed_experts,
+            stop_token_ids=() if self.ignore_eos else stop_token_ids,
+            ignore_eos=self.ignore_eos, return_routed_experts=routed_experts,
         )
 
 

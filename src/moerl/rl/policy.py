@@ -249,6 +249,7 @@ class Policy:
                 rollout_logprobs=_to(mb.rollout_logprobs, device),
                 ref_logprobs=_to(p.ref[k], device) if p.ref is not None else None,
                 entropy=ent if entropy_grad else ent.detach(),
+                token_versions=_to(mb.token_versions, device),
             )
             loss, metrics = self.objective(inputs, p.denom)
             # See the module docstring: Megatron divides by the counts summed over DP x CP,
