@@ -15,6 +15,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -29,7 +30,6 @@ from moerl.launchers.lm import load_lm_config
 from moerl.launchers.sft import load_sft_config
 from moerl.models.arch import TINY
 from moerl.models.weights_marker import MARKER
-from moerl.rl.config import RLConfig
 from moerl.rl.objective_config import GRPOConfig, ISCorrectionConfig
 from moerl.typed_config import ConfigError, defaults_of
 
@@ -139,14 +139,18 @@ def test_every_shipped_experiment_loads(path: Path) -> None:
 
 
 def _group_classes() -> dict[str, type]:
-    """Every (nested) config group of a run, by its path in the composed config."""
-    top = get_type_hints(RunConfig)
-    out = {name: tp for name, tp in top.items() if dataclasses.is_dataclass(tp)}
-    rl = get_type_hints(RLConfig)
-    out |= {f"rl.{name}": rl[name] for name in ("sampling", "critic", "agent")}
-    return out | {"rl.objective_args": GRPOConfig,
-                  "rl.objective_args.is_correction": ISCorrectionConfig,
-                  "data.domains.code": DomainConfig, "data.domains.code.sampling": DomainSampling}
+    """Every config group of a run and every group nested in one, by its path in the
+    composed config; the groups a field's value chooses with the choices composed below."""
+    def nested(cls: type, path: str) -> dict[str, type]:
+        out = {path: cls} if path else {}
+        for name, tp in get_type_hints(cls).items():
+            if dataclasses.is_dataclass(tp) and name != "objective_args":
+                out |= nested(typing.cast(type, tp), f"{path}.{name}".lstrip("."))
+        return out
+
+    return nested(RunConfig, "") | {
+        "rl.objective_args": GRPOConfig, "rl.objective_args.is_correction": ISCorrectionConfig,
+        "data.domains.code": DomainConfig, "data.domains.code.sampling": DomainSampling}
 
 
 GROUPS = _group_classes()

@@ -29,14 +29,14 @@ from moerl.models.weights import save_weights
 from moerl.observability import MetricsLogger, read_metrics
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
 from moerl.rendezvous import ENV_RENDEZVOUS, read_endpoints, request_requeue
-from moerl.rewards.client import RewardClient, RewardClientConfig
+from moerl.rewards.client import RewardClient
 from moerl.rl.agent_collect import EPISODE, terminal_source
 from moerl.rl.domains import domain_runs
 from moerl.rl.loop import Controller, train
 from moerl.rl.policy import Policy
 from moerl.rl.resume import RLCheckpoints
 from moerl.rl.weight_sync import build_weight_sync
-from moerl.rollout.client import ClientConfig, RolloutClient
+from moerl.rollout.client import RolloutClient
 from moerl.signals import STOP_SIGNALS, StopOnSignal, start_helpers_ignoring
 from moerl.trainer.sft import build_sft_trainable, run_sft
 from moerl.typed_config import to_dict
@@ -60,12 +60,9 @@ def sft_phase(cfg: RunConfig, groups: ParallelGroups, tok: Tokenizer,
 def _controller(cfg: RunConfig, root: Path, records: list[PromptRecord],
                 held_out: list[PromptRecord], tok: Tokenizer) -> Controller:
     rendezvous = Path(os.environ.get(ENV_RENDEZVOUS, root / "rendezvous"))
-    engines = RolloutClient(rendezvous_dir=rendezvous,
-                            config=ClientConfig(timeout_s=cfg.rollout.request_timeout_s),
+    engines = RolloutClient(rendezvous_dir=rendezvous, config=cfg.rollout.client,
                             engine=cfg.rollout.engine)
-    judges = RewardClient(RewardClientConfig(
-        rendezvous_dir=rendezvous, batch_size=cfg.rewards.batch_size,
-        timeout_s=cfg.rewards.timeout_s), seed=cfg.rl.seed)
+    judges = RewardClient(cfg.rewards.client, rendezvous_dir=rendezvous, seed=cfg.rl.seed)
     data = cfg.data
     prompts: PromptStream | MixtureStream = (
         MixtureStream.of(records, data.mixture, data.seed, cfg.rl.difficulty_filter_epochs)
