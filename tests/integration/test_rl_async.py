@@ -11,16 +11,18 @@ update replays them (`rl.routing_replay`). With partial rollouts a weight push l
 between two decode steps of the next step's generation; no sample is dropped.
 
 A second run shows a generation spanning a weight update. The timing is arranged by
-the sizes rather than left to chance: each generation is 384 tokens decoded one after
-another (rl.sampling.ignore_eos: no sample ends early), each update one forward and
-backward pass over four samples (no reference model, no critic) and a push of a tiny
-model, so the next step's generation, started when the update starts, is still
-decoding when the new weights land (on 2 cores under a load of 25, a generation lasted
-2 to 4 times as long as the warm update and push it overlapped). The first update also
-pays one-time costs and may outlast its overlapping generation, so the run has four
-steps: the generations of steps 2 and 3 overlap warm updates. Their samples carry
-tokens of two versions, each with the rollout logprob of the version that sampled it,
-and the IS correction's metrics see both.
+the sizes rather than left to chance. The next step's generation starts when the
+update starts, and the new weights land when the update and its push end: the share of
+the generation before them is about (update + push) / generation. Each generation is
+512 tokens decoded one after another (rl.sampling.ignore_eos: no sample ends early);
+each update two minibatch steps over four samples (no reference model, no critic) and
+the push of a tiny model: a few forward and backward passes against 512 sequential
+decode steps, so the weights land inside the generation, neither before its first
+tokens (a one-pass update pushed before the generation had begun decoding) nor after
+its last. The first update also pays one-time costs and may outlast its generation,
+so the run has four steps: three generations overlap an update, and those spanning one
+carry tokens of two versions, each with the rollout logprob of the version that
+sampled it; the IS correction's metrics see both.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def test_a_generation_spans_a_weight_update(tmp_path: Path) -> None:
             f"+rewards.plugins.{PLUGIN}", "rl.steps=4", "rl.prompts_per_step=2",
             "rl.group_size=2", "rl.max_generation_rounds=1", "rl.dynamic_sampling=false",
             "rl.mode=async", "rl.max_staleness=1", "rollout.partial_rollouts=true",
-            "rl.sampling.max_tokens=384", "rl.sampling.ignore_eos=true",
+            "rl.updates_per_step=2", "rl.sampling.max_tokens=512", "rl.sampling.ignore_eos=true",
             "rl.use_reference=false", "+rl.objective_args.kl_coef=0.0",
             "+rl.objective_args.is_correction.mode=tis"]  # fmt: skip
     plugins = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
@@ -111,7 +113,7 @@ def test_a_generation_spans_a_weight_update(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "weights/version" in r]
     assert [r["step"] for r in steps] == [0, 1, 2, 3]
-    assert all(r["rollout/response_length"] == 384 for r in steps)
+    assert all(r["rollout/response_length"] == 512 for r in steps)
     spanned = [r for r in steps if r["async/spanning_versions"] > 0]
     assert spanned, [{k: v for k, v in r.items() if k.startswith(("async/", "time/"))}
                      for r in steps]
