@@ -5,6 +5,7 @@ disk."""
 
 from __future__ import annotations
 
+import json
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -54,3 +55,44 @@ def test_streamed_version_equals_the_disk_version(tmp_path: Path) -> None:
     for other in streamed[1:]:
         for a, b in zip(streamed[0], other, strict=True):
             assert a.token_ids == b.token_ids
+
+
+SHARDED = Path(__file__).with_name("sharded_stream_worker.py")
+
+
+def test_each_trainer_rank_sends_its_shard_and_each_server_rank_takes_only_its_own(
+        tmp_path: Path) -> None:
+    """8 trainer ranks (TP2, PP2, EP2) stream to a server at EP2 and one at TP2 (2 ranks
+    each): every server parameter equals the trainer's bit for bit; a trainer rank
+    holds no more than its staging buffers beyond its weights, a server rank receives
+    no more than 1.1x the bytes of its own slices (as the transport counted them)."""
+    from moerl.launchers.local import free_port
+
+    start = publish(3, tmp_path / "start")
+    ports = ",".join(str(free_port()) for _ in range(3))
+    staging = 4 << 20
+    run_worker(SHARDED, 12, ["--dir", str(tmp_path), "--start", str(start), "--ports", ports,
+                             "--staging-bytes", str(staging)], timeout=600)
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    engines = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(8, 12)]
+    assert (report["pushed"], report["streamed"]) == (2, 1)
+    for rank in engines:  # every parameter, bit for bit, on every server rank
+        assert rank["version"] == 2 and rank["mismatched"] == [], rank
+    senders = report["senders"]
+    for sent in senders:
+        assert sent["bytes_received"] == 0  # no trainer rank gathers anything
+        assert 0 < sent["staging_bytes"] <= staging  # its memory beyond its weights
+        assert sent["owned_bytes"] <= sent["shard_bytes"]
+    received = [r for ranks in report["received"].values() for r in ranks]
+    assert len(received) == 4
+    for rank in received:
+        assert rank["bytes_received"] <= 1.1 * rank["held_bytes"]
+        assert rank["staging_bytes"] <= staging
+    assert sum(s["bytes_sent"] for s in senders) == sum(r["bytes_received"] for r in received)
+    # the owners share the sending: no trainer rank sends much more than its share
+    sent = [s["bytes_sent"] for s in senders]
+    assert max(sent) <= 2 * sum(sent) / len(sent)
+    print(f"\nstream: {report['seconds']:.2f} s; bytes sent per trainer rank "
+          f"{min(sent)}..{max(sent)}; peak RSS MB trainer "
+          f"{max(s['peak_mb'] for s in senders):.0f}, server "
+          f"{max(e['peak_mb'] for e in engines):.0f}")

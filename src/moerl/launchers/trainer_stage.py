@@ -187,7 +187,8 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
                              keep=cfg.rl.keep_weight_versions,
                              hf_model_dir=cfg.rollout.hf_model_dir, dtype=cfg.rollout.dtype,
                              mode=cfg.rl.weight_sync, arch=policy.arch,
-                             bucket_mb=cfg.rl.weight_sync_bucket_mb,
+                             staging_bytes=cfg.rl.weight_sync_staging_bytes,
+                             timeout_s=cfg.rl.weight_sync_timeout_s,
                              server_ranks=cfg.rollout.tensor_parallel
                              * cfg.rollout.pipeline_parallel)
     sync.push(policy, start)  # the servers start from the trainer's (resumed) weights

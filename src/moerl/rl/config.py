@@ -120,7 +120,12 @@ class RLConfig:
     # loaded by every server) or `memory` (streamed over a process group the servers
     # join; the first version and any failed stream still go through disk).
     weight_sync: Literal["disk", "memory"] = "disk"
-    weight_sync_bucket_mb: int = 64  # memory: bytes per broadcast
+    # memory: the staging memory each rank (trainer and server alike) may hold beyond
+    # its weights while a version streams, as two buffers of half this (bytes).
+    weight_sync_staging_bytes: int = 256 << 20
+    # memory: the bound on every wait of one version's stream (forming the group, each
+    # message, the servers' replies); past it the version goes by disk.
+    weight_sync_timeout_s: float = 600.0
     # Keep training the MoE balance loss and the MTP head (DeepSeek-V3's MTP objective)
     # alongside the policy, e.g. so MTP drafts stay accepted by a moving policy.
     aux_losses: bool = False
@@ -183,8 +188,12 @@ class RLConfig:
                 "rl.max_staleness=0 with rl.mode=async: a batch collected while the previous "
                 "step trains is one weight version old, so every sample would be dropped; "
                 "set rl.max_staleness>=1, or rl.mode=sync for on-policy steps")
-        if self.weight_sync_bucket_mb < 1:
-            raise ValueError("rl.weight_sync_bucket_mb: must be >= 1")
+        if self.weight_sync_staging_bytes < 2 << 20:
+            raise ValueError(f"rl.weight_sync_staging_bytes: {self.weight_sync_staging_bytes} "
+                             "is below 2 MiB (two staging buffers of 1 MiB); raise it, e.g. "
+                             "268435456 (256 MiB)")
+        if self.weight_sync_timeout_s <= 0:
+            raise ValueError("rl.weight_sync_timeout_s: must be > 0 seconds")
         if self.overlong_buffer >= self.sampling.max_tokens and self.overlong_buffer:
             raise ValueError("rl.overlong_buffer: must be smaller than rl.sampling.max_tokens")
         if self.routing_replay and self.task_source == "agent":

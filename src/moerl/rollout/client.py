@@ -207,10 +207,18 @@ class RolloutClient:
             return None
 
         with ThreadPoolExecutor(max(1, len(live))) as pool:
-            failures = [f for f in pool.map(push, live) if f]
-        if failures or not live:
-            why = failures or "no live server"
+            results = dict(zip(live, pool.map(push, live), strict=True))
+        # A server that cannot be reached is marked dead (generation avoids it, and the
+        # next update finds it again if it comes back); one that answered and refused,
+        # or no server at all taking the version, fails the update.
+        refused = [f for url, f in results.items() if f and url not in self.dead]
+        took = [url for url, f in results.items() if not f]
+        if refused or not took:
+            why = refused or [f for f in results.values() if f] or "no live server"
             raise RolloutUnavailable(f"weight update to version {version} failed: {why}")
+        if len(took) < len(live):
+            log.warning("weight version %d: %d of %d servers unreachable, marked dead",
+                        version, len(live) - len(took), len(live))
         self.weight_version = version
 
 
