@@ -1,7 +1,8 @@
-"""The shard plan (`parallel.shard_plan`): which sender passes which slabs to which
-receiver. Pieces are described here as tensor parallelism cuts them (plain rows,
-columns, gated [gate; up] rows), and every plan is carried out with real tensors:
-each receiver must end up holding exactly its slice of the whole tensor."""
+"""The shard plan (`parallel.shard_plan`, `parallel.shard_messages`): which sender
+passes which slabs to which receiver, in which messages. Pieces are described here as
+tensor parallelism cuts them (plain rows, columns, gated [gate; up] rows), and every
+plan is carried out with real tensors: each receiver must end up holding exactly its
+slice of the whole tensor."""
 
 from __future__ import annotations
 
@@ -11,18 +12,16 @@ from collections import deque
 import pytest
 import torch
 
+from moerl.parallel.shard_messages import Message, loads, messages, schedule
 from moerl.parallel.shard_plan import (
-    Message,
     Piece,
     PlanError,
+    by_name,
     first_senders,
-    loads,
-    messages,
     overlap,
     owned_by,
     routes_from,
     routes_to,
-    schedule,
 )
 
 WHOLE = {"rows.weight": (12, 6), "cols.weight": (6, 12), "fc1.weight": (16, 4),
@@ -77,7 +76,7 @@ def test_every_receiver_gets_exactly_its_slices(send_tp: int, receive_tp: int) -
                  for replica in range(2) for r in range(receive_tp)}
     pairs = {(s, d): ts for s in senders for d, ts in routes_from(senders[s], receivers).items()}
     for d, mine in receivers.items():  # the receivers' view of the same plan agrees
-        for s, ts in routes_to(mine, senders).items():
+        for s, ts in routes_to(mine, by_name(senders)).items():
             assert pairs[(s, d)] == ts
     got = _carry_out(schedule(pairs, buffer_bytes=64), senders, receivers, wholes)
     for rank, pieces in receivers.items():
@@ -121,7 +120,7 @@ def test_messages_fit_the_buffer_and_cut_large_slabs() -> None:
 
 def test_a_tensor_no_sender_covers_is_refused() -> None:
     with pytest.raises(PlanError, match=r"rows\.weight: the senders cover 36 of the 72 elements"):
-        routes_to(_pieces(1, 0)[:1], {0: [_pieces(2, 0)[0]]})
+        routes_to(_pieces(1, 0)[:1], by_name({0: [_pieces(2, 0)[0]]}))
     with pytest.raises(PlanError, match="the sender holds it as"):
         overlap(Piece.whole("a", "float32", (4, 2)), Piece.whole("a", "float32", (2, 4)))
 
@@ -149,3 +148,26 @@ def test_the_schedule_never_deadlocks_with_two_buffers_a_side() -> None:
         for q in queues.values():  # a rank waits for its oldest first
             while q and id(q[0]) in done:
                 q.popleft()
+
+
+def test_a_large_piece_is_shared_out_among_its_holders(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four replicas hold the same whole tensor; each owns a quarter of it and sends
+    those rows from its own tensor to a receiver cutting it in two along dim 0."""
+    from moerl.parallel import shard_plan
+
+    monkeypatch.setattr(shard_plan, "SPLIT_BYTES", 16)
+    shard_plan._shares.cache_clear()
+    whole = torch.arange(16 * 3, dtype=torch.float32).reshape(16, 3)
+    held = [Piece.whole("w", "float32", (16, 3)), Piece.whole("small", "float32", (2,))]
+    shares = {r: shard_plan.owned(held, lambda _p, r=r: (r, 4, "dense")) for r in range(4)}
+    parts = {r: [part for _, part in share] for r, share in shares.items()}
+    assert [[p.ranges for p in ps if p.name == "w"] for ps in parts.values()] == [
+        [((0, 4),)], [((4, 8),)], [((8, 12),)], [((12, 16),)]]
+    assert sum(p.name == "small" for ps in parts.values() for p in ps) == 1  # 8 bytes: whole
+    half = Piece("w", "float32", (16, 3), 0, ((8, 16),))
+    got = torch.full((8, 3), float("nan"))
+    for mine in parts.values():
+        for t in routes_from(mine, {9: [half]}).get(9, []):
+            got.narrow(0, t.dst_offset, t.length).copy_(whole.narrow(0, t.src_offset, t.length))
+    assert torch.equal(got, whole[8:])
+    shard_plan._shares.cache_clear()

@@ -13,14 +13,12 @@ tensor-parallel ranks too; each computes the same balanced split of the same lis
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 from megatron.core import parallel_state as ps
 
 from moerl.models.arch import MoEArch
 from moerl.models.hf import is_glu, local_tensors, tp_split
-from moerl.parallel.shard_plan import Piece, owned_by
+from moerl.parallel.shard_plan import Piece, owned
 
 _EXPERT = ".experts.local_experts."
 
@@ -40,9 +38,12 @@ def held_pieces(chunks: list[torch.nn.Module], arch: MoEArch
 def _piece(name: str, local: torch.Tensor) -> Piece:
     size, rank, _ = tp_split(name, local)
     dtype = dtype_name(local.dtype)
+    # Along the dimension tensor parallelism cuts this tensor in any layout (Megatron
+    # tags it even at tp 1), so a part of it a sender owns lines up with the slices of
+    # a receiver that cuts it.
+    dim = int(getattr(local, "partition_dim", 0)) if local.dim() > 1 else 0
     if size == 1:
-        return Piece.whole(name, dtype, tuple(local.shape))
-    dim = int(local.partition_dim)  # type: ignore[attr-defined]
+        return Piece(name, dtype, tuple(local.shape), dim, ((0, local.shape[dim]),))
     shape = list(local.shape)
     shape[dim] *= size
     n = local.shape[dim]
@@ -72,16 +73,6 @@ def _replica(piece: Piece) -> tuple[int, int, str]:
 
 
 def owned_pieces(held: list[tuple[Piece, torch.Tensor]]) -> list[tuple[Piece, torch.Tensor]]:
-    """The pieces of `held` this rank sends: its balanced share among their replicas."""
-    classes: dict[str, list[int]] = defaultdict(list)
-    where: dict[str, tuple[int, int]] = {}
-    for i, (piece, _) in enumerate(held):
-        index, count, kind = _replica(piece)
-        classes[kind].append(i)
-        where[kind] = (index, count)
-    mine: list[int] = []
-    for kind, members in classes.items():
-        index, count = where[kind]
-        owners = owned_by([held[i][0] for i in members], count)
-        mine += [i for i, owner in zip(members, owners, strict=True) if owner == index]
-    return [held[i] for i in sorted(mine)]
+    """The pieces (or parts of pieces) of `held` this rank sends, with the tensor each
+    is part of: its balanced share among the ranks holding the same."""
+    return [(part, held[i][1]) for i, part in owned([piece for piece, _ in held], _replica)]

@@ -14,12 +14,8 @@ gives each piece to one, the largest pieces first to the least loaded, so each
 replica sends about its share; `first_senders` drops a piece two senders still both
 own (a tied embedding on the first and last pipeline stage).
 
-A pair's transfers, in one order both ends compute, are cut into messages of at most
-`buffer_bytes` (`messages`), and every rank works through its own messages in one
-order of the whole version (`schedule`: the k-th message of every pair before any
-pair's (k+1)-th). With a bounded window of messages in flight on every rank this
-cannot deadlock: the first unfinished message of the schedule has every earlier
-message of its sender and of its receiver finished, so both are waiting on it.
+A pair's transfers, in one order both ends compute (`routes_from`, `routes_to`), are
+then cut into messages (`parallel.shard_messages`).
 
 Pure arithmetic on names and shapes (no tensors): the stream computes its plan from
 the pieces the ranks exchange when the group forms, and the weight sync benchmark
@@ -28,17 +24,16 @@ computes the same plan for a layout it never builds.
 
 from __future__ import annotations
 
+import functools
 import heapq
-import itertools
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4,
             "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
-ALIGN = 16  # bytes: where each transfer starts inside a message, so any dtype views it
 
 
 class PlanError(ValueError):
@@ -61,6 +56,7 @@ class Piece:
     shape: tuple[int, ...]
     dim: int  # the dimension the layout cuts (0 for a tensor held whole)
     ranges: tuple[tuple[int, int], ...]  # [start, stop) along dim, in local order
+    start: int = 0  # where along dim the rank's tensor holding it has its first index
 
     @staticmethod
     def whole(name: str, dtype: str, shape: tuple[int, ...]) -> Piece:
@@ -93,27 +89,48 @@ class Piece:
         """This (whole) piece described along another dimension."""
         if dim == self.dim:
             return self
-        assert not self.cut, f"{self.name}: a cut piece has one dimension"
+        assert not self.cut and not self.start, f"{self.name}: a cut piece has one dimension"
         return replace(self, dim=dim, ranges=((0, self.shape[dim]),))
 
     def local_offset(self, index: int) -> int:
         """Where whole-tensor `index` along `dim` sits in this rank's tensor."""
-        before = 0
+        before = self.start
         for start, stop in self.ranges:
             if start <= index < stop:
                 return before + index - start
             before += stop - start
         raise ValueError(f"{self.name}: index {index} is not in {self.ranges}")
 
+    def split(self, parts: int) -> list[Piece]:
+        """This piece in `parts` about equal runs of its local indices (as many as it
+        has indices, at most), each knowing where it starts in this rank's tensor."""
+        out = []
+        for i in range(min(parts, self.extent)):
+            lo = self.start + i * self.extent // parts
+            hi = self.start + (i + 1) * self.extent // parts
+            out.append(replace(self, ranges=self._global(lo, hi), start=lo))
+        return out
+
+    def _global(self, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
+        """The whole-tensor ranges of local indices [lo, hi)."""
+        out, before = [], self.start
+        for a, b in self.ranges:
+            first, last = max(lo, before), min(hi, before + b - a)
+            if first < last:
+                out.append((a + first - before, a + last - before))
+            before += b - a
+        return tuple(out)
+
     def encode(self) -> list[object]:
         """JSON form, for the exchange when a group forms."""
-        return [self.name, self.dtype, list(self.shape), self.dim, [list(r) for r in self.ranges]]
+        return [self.name, self.dtype, list(self.shape), self.dim,
+                [list(r) for r in self.ranges], self.start]
 
     @staticmethod
     def decode(item: Sequence[Any]) -> Piece:
-        name, dtype, shape, dim, ranges = item
+        name, dtype, shape, dim, ranges, start = item
         return Piece(str(name), str(dtype), tuple(int(n) for n in shape), int(dim),
-                     tuple((int(a), int(b)) for a, b in ranges))
+                     tuple((int(a), int(b)) for a, b in ranges), int(start))
 
 
 @dataclass(frozen=True)
@@ -181,9 +198,45 @@ def owned_by(pieces: Sequence[Piece], replicas: int) -> list[int]:
     return owner
 
 
+SPLIT_BYTES = 4 << 20  # a piece larger than this is shared out among its holders
+
+
+def owned(pieces: Sequence[Piece], replica: Callable[[Piece], tuple[int, int, str]]
+          ) -> list[tuple[int, Piece]]:
+    """(index into `pieces`, the part of it this rank sends). `replica(piece)`: this
+    rank's index among the ranks holding that piece alike, their count, and a name for
+    the class of pieces they all hold in the same order (each class is split on its
+    own). A piece over SPLIT_BYTES is cut in up to that many equal parts, so a table
+    that every server rank needs is not sent by one rank alone."""
+    classes: dict[str, list[int]] = defaultdict(list)
+    where: dict[str, tuple[int, int]] = {}
+    for i, piece in enumerate(pieces):
+        index, count, kind = replica(piece)
+        classes[kind].append(i)
+        where[kind] = (index, count)
+    mine: list[tuple[int, Piece]] = []
+    for kind, members in classes.items():
+        index, count = where[kind]
+        shares = _shares(tuple(pieces[i] for i in members), count)
+        mine += [(members[at], part) for at, part in shares[index]]
+    return sorted(mine, key=lambda p: (p[0], p[1].start))
+
+
+@functools.lru_cache(maxsize=256)
+def _shares(pieces: tuple[Piece, ...], count: int) -> list[list[tuple[int, Piece]]]:
+    """Each of `count` replicas' parts of `pieces` (its position in `pieces`, the part);
+    the same for every replica, so computed once per class."""
+    parts = [(at, part) for at, piece in enumerate(pieces)
+             for part in piece.split(min(count, max(1, piece.nbytes // SPLIT_BYTES)))]
+    shares: list[list[tuple[int, Piece]]] = [[] for _ in range(count)]
+    for part, owner in zip(parts, owned_by([p for _, p in parts], count), strict=True):
+        shares[owner].append(part)
+    return shares
+
+
 def first_senders(senders: Mapping[int, Sequence[Piece]]) -> dict[int, list[Piece]]:
     """Each distinct piece from the lowest rank that offers it."""
-    seen: set[tuple[str, int, tuple[tuple[int, int], ...]]] = set()
+    seen: set[tuple[str, int, tuple[tuple[int, int], ...]]] = set()  # start: the sender's own
     out: dict[int, list[Piece]] = {}
     for rank in sorted(senders):
         mine = out.setdefault(rank, [])
@@ -195,10 +248,11 @@ def first_senders(senders: Mapping[int, Sequence[Piece]]) -> dict[int, list[Piec
     return out
 
 
-def _by_name(parties: Mapping[int, Sequence[Piece]]) -> dict[str, list[tuple[int, Piece]]]:
+def by_name(senders: Mapping[int, Sequence[Piece]]) -> dict[str, list[tuple[int, Piece]]]:
+    """What is offered of each tensor, by whom: the index `routes_to` reads."""
     index: dict[str, list[tuple[int, Piece]]] = defaultdict(list)
-    for rank in sorted(parties):
-        for piece in parties[rank]:
+    for rank in sorted(senders):
+        for piece in senders[rank]:
             index[piece.name].append((rank, piece))
     return index
 
@@ -216,16 +270,16 @@ def routes_from(mine: Sequence[Piece], receivers: Mapping[int, Sequence[Piece]]
     return out
 
 
-def routes_to(mine: Sequence[Piece], senders: Mapping[int, Sequence[Piece]]
+def routes_to(mine: Sequence[Piece], offered: Mapping[str, list[tuple[int, Piece]]]
               ) -> dict[int, list[Transfer]]:
-    """A receiver's transfers from each sender, in the pair's order; every index of
-    every piece it holds must come from some sender."""
-    index = _by_name(senders)
+    """A receiver's transfers from each sender (`offered`: `by_name` of the senders),
+    in the pair's order; every element of every piece it holds must come from some
+    sender."""
     out: dict[int, list[Transfer]] = defaultdict(list)
     for piece in mine:
         covered = 0  # elements
-        for rank, offered in index.get(piece.name, []):
-            found = overlap(offered, piece)
+        for rank, source in offered.get(piece.name, []):
+            found = overlap(source, piece)
             covered += sum(math.prod(t.shape) for t in found)
             out[rank] += found
         if covered != math.prod(piece.local_shape):
@@ -237,84 +291,3 @@ def routes_to(mine: Sequence[Piece], senders: Mapping[int, Sequence[Piece]]
 
 def _pair_order(t: Transfer) -> tuple[str, int]:
     return t.name, t.dst_offset
-
-
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def messages(transfers: Iterable[Transfer], buffer_bytes: int) -> list[list[Transfer]]:
-    """`transfers` packed in order into messages of at most `buffer_bytes` (each
-    transfer at an aligned offset), a transfer larger than that cut along its dim."""
-    out: list[list[Transfer]] = [[]]
-    used = 0
-    for transfer in transfers:
-        unit = transfer.nbytes // transfer.length
-        if aligned(unit) > buffer_bytes:
-            raise PlanError(f"rl.weight_sync_staging_bytes: {transfer.name} moves {unit} bytes "
-                            f"per index of dim {transfer.dim}, more than one staging buffer "
-                            f"({buffer_bytes} bytes, half the setting); raise it")
-        for part in transfer.split(max(buffer_bytes // unit, 1)):
-            size = aligned(part.nbytes)
-            if size > buffer_bytes - used and out[-1]:
-                out.append([])
-                used = 0
-            out[-1].append(part)
-            used += size
-    return out if out[-1] else out[:-1]
-
-
-@dataclass(frozen=True)
-class Message:
-    """The `index`-th message from `src` to `dst` (group ranks)."""
-
-    src: int
-    dst: int
-    index: int
-    parts: tuple[Transfer, ...]
-
-    @property
-    def offsets(self) -> list[int]:
-        """Where each part starts in the message's bytes."""
-        return [0, *itertools.accumulate(aligned(p.nbytes) for p in self.parts[:-1])]
-
-    @property
-    def nbytes(self) -> int:
-        """On the wire: every part at an aligned offset."""
-        return self.offsets[-1] + self.parts[-1].nbytes
-
-    @property
-    def payload(self) -> int:
-        return sum(p.nbytes for p in self.parts)
-
-
-def schedule(pairs: Mapping[tuple[int, int], Sequence[Transfer]], buffer_bytes: int
-             ) -> list[Message]:
-    """Every message of the (src, dst) `pairs`, in the order of the whole version."""
-    out = [Message(src, dst, k, tuple(parts))
-           for (src, dst), transfers in pairs.items()
-           for k, parts in enumerate(messages(transfers, buffer_bytes))]
-    return sorted(out, key=lambda m: (m.index, m.src, m.dst))
-
-
-@dataclass
-class Load:
-    """What one rank moves in a version: wire bytes and messages, out and in."""
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    messages_sent: int = 0
-    messages_received: int = 0
-
-
-def loads(plan: Iterable[Message]) -> dict[int, Load]:
-    """Each rank's load under `plan` (a message to itself moves nothing)."""
-    out: dict[int, Load] = defaultdict(Load)
-    for message in plan:
-        if message.src == message.dst:
-            continue
-        out[message.src].bytes_sent += message.nbytes
-        out[message.src].messages_sent += 1
-        out[message.dst].bytes_received += message.nbytes
-        out[message.dst].messages_received += 1
-    return dict(out)

@@ -19,7 +19,8 @@ import torch
 
 from moerl.models.arch import MoEArch
 from moerl.models.pieces import held_pieces, owned_pieces
-from moerl.parallel.shard_plan import Transfer, routes_from, schedule
+from moerl.parallel.shard_messages import schedule
+from moerl.parallel.shard_plan import Transfer, routes_from
 from moerl.rollout.weight_group import GroupSpec, WeightGroup, group_device, join_with_plan
 from moerl.rollout.weight_transport import Traffic, send_messages
 

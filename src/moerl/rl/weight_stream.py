@@ -24,21 +24,25 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import socket
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import httpx
 import torch
 import torch.distributed as dist
 
 from moerl.models.arch import MoEArch
 from moerl.rendezvous import ENV_HOST
+from moerl.rl.weight_requests import (
+    asking,
+    check,
+    free_port,
+    join_request,
+    live_servers,
+    post,
+    post_all,
+)
 from moerl.rl.weight_send import SendLink, join, send_version
 from moerl.rl.weight_stream_hf import (
     Assembly,
@@ -135,7 +139,7 @@ class MemoryWeightSync:
     def _decide(self) -> _Join | str | None:
         """Rank 0: None (keep the group), a new one to form, or why not to stream."""
         try:
-            servers = self._live_servers()
+            servers = live_servers(self.engines, self.engine, self.server_ranks, self.timeout_s)
             if not servers:
                 return "no rollout server answers /health"
             if servers == self.servers and (self.link or self.assembly):
@@ -158,13 +162,13 @@ class MemoryWeightSync:
         """Every trainer rank: leave the old groups, join the new ones, agree the plan."""
         self._leave()
         rank, spec = _rank(), decision.spec
-        with _asking(len(decision.servers)) as pool:
+        with asking(len(decision.servers)) as pool:
             asked = []
             if rank == 0:
                 self.servers, self.group_name = decision.servers, spec.group_name
                 offsets = itertools.accumulate([spec.rank_offset,
                                                 *(r for _, r in decision.servers[:-1])])
-                asked = [pool.submit(self._post, url, *self._join_request(spec, offset),
+                asked = [pool.submit(post, url, *join_request(self.engine, spec, offset),
                                      deadline=deadline)
                          for (url, _), offset in zip(decision.servers, offsets, strict=True)]
             if decision.sources is None:
@@ -177,7 +181,7 @@ class MemoryWeightSync:
                 if rank == 0:
                     assert self.convert is not None
                     self.tensors = announced(self.assembly, self.arch, self.convert)
-            _check(asked, "joining the weight group")
+            check(asked, "joining the weight group")
         if rank == 0:
             log.info("weight group %s: %d server ranks on %d servers", spec.group_name,
                      sum(r for _, r in decision.servers), len(decision.servers))
@@ -186,11 +190,12 @@ class MemoryWeightSync:
         assert self.link is not None
         body = {"version": version, "group_name": self.link.spec.group_name,
                 "buffer_bytes": self.buffer_bytes}
-        with _asking(len(self.servers)) as pool:
-            replies = self._post_all(pool, "/update_weights_from_distributed", body, deadline)
+        with asking(len(self.servers)) as pool:
+            replies = post_all(pool, self.servers, "/update_weights_from_distributed", body,
+                               deadline)
             self.traffic = send_version(self.link, policy.chunks, self.arch,
                                         self.buffer_bytes, deadline)
-            answers = _check(replies, f"version {version}")
+            answers = check(replies, f"version {version}")
         self.received = {url: list(a.get("ranks", [])) for (url, _), a in
                          zip(self.servers, answers, strict=True)}
 
@@ -201,13 +206,14 @@ class MemoryWeightSync:
             return
         assert self.engine_group is not None and self.convert is not None
         path = "/collective_rpc" if self.engine == "vllm" else "/update_weights_from_distributed"
-        with _asking(len(self.servers)) as pool:
-            replies = self._post_all(pool, path, self._hf_announcement(version), deadline)
+        with asking(len(self.servers)) as pool:
+            replies = post_all(pool, self.servers, path, self._hf_announcement(version),
+                               deadline)
             self.traffic = assemble_and_broadcast(self.assembly, policy.chunks, self.arch,
                                                   self.engine_group, self.convert, deadline)
-            _check(replies, f"version {version}")
+            check(replies, f"version {version}")
             if self.engine == "vllm":  # prefixes cached under the old weights
-                _check(self._post_all(pool, "/reset_prefix_cache", {}, deadline),
+                check(post_all(pool, self.servers, "/reset_prefix_cache", {}, deadline),
                        "prefix cache")
 
     def _hf_announcement(self, version: int) -> dict[str, Any]:
@@ -220,50 +226,6 @@ class MemoryWeightSync:
                     "kwargs": {**tensors, "version": version}}
         return {**tensors, "group_name": self.group_name, "flush_cache": True,
                 "weight_version": str(version)}
-
-    def _join_request(self, spec: GroupSpec, offset: int) -> tuple[str, dict[str, Any]]:
-        """(path, body) asking one server to join the group from rank `offset` on."""
-        body: dict[str, Any] = {**spec.__dict__, "rank_offset": offset}
-        if self.engine == "vllm":
-            return "/collective_rpc", {"method": "moerl_join_weight_group", "kwargs": body}
-        if self.engine == "sglang":  # its request has no timeout field
-            body.pop("timeout_s")
-        return "/init_weights_update_group", body
-
-    def _live_servers(self) -> tuple[tuple[str, int], ...]:
-        """(url, ranks) of every server that answers /health."""
-        assert self.engines is not None, "the controller rank streams to the servers"
-        live = []
-        with httpx.Client(timeout=min(30.0, self.timeout_s), trust_env=False) as http:
-            for url in self.engines.urls:
-                try:
-                    reply = http.get(f"{url}/health")
-                except httpx.HTTPError as exc:
-                    log.warning("weight group: %s is left out (%s)", url, exc)
-                    continue
-                if reply.status_code != 200:
-                    log.warning("weight group: %s is left out (HTTP %d)", url, reply.status_code)
-                    continue
-                ranks = (int(reply.json().get("ranks", 1)) if self.engine == "moerl"
-                         else self.server_ranks or 1)
-                live.append((url, ranks))
-        return tuple(live)
-
-    def _post_all(self, pool: ThreadPoolExecutor, path: str, body: dict[str, Any],
-                  deadline: float) -> list[Future[tuple[str | None, Any]]]:
-        return [pool.submit(self._post, url, path, body, deadline=deadline)
-                for url, _ in self.servers]
-
-    @staticmethod
-    def _post(url: str, path: str, body: dict[str, Any], *, deadline: float
-              ) -> tuple[str | None, Any]:
-        """(None or why the server refused, its JSON answer)."""
-        left = max(deadline - time.monotonic(), 1.0)
-        with httpx.Client(timeout=left, trust_env=False) as http:
-            reply = http.post(f"{url}{path}", json=body)
-        if reply.status_code != 200:
-            return f"{url}{path}: HTTP {reply.status_code} {reply.text[:500]}", None
-        return None, reply.json()
 
     def _share(self, decision: _Join | str | None) -> _Join | str | None:
         """Rank 0's decision on every trainer rank."""
@@ -289,18 +251,6 @@ class MemoryWeightSync:
         self.servers = ()
 
 
-@contextmanager
-def _asking(servers: int) -> Iterator[ThreadPoolExecutor]:
-    """Threads for the requests to the servers that do not hold up a failure: the
-    servers answer once their waits on the group end, which happens when this side's
-    group is dropped (`MemoryWeightSync._leave`, after the failure is handled)."""
-    pool = ThreadPoolExecutor(max(servers, 1), thread_name_prefix="weight-sync")
-    try:
-        yield pool
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -310,18 +260,3 @@ def _control_group(timeout_s: float) -> Any:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=2 * timeout_s + 120))
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def _check(replies: list[Future[tuple[str | None, Any]]], what: str) -> list[Any]:
-    """The servers' answers; raises naming every refusal."""
-    results = [r.result() for r in replies]
-    failures = [f for f, _ in results if f]
-    if failures:
-        raise RuntimeError(f"{what}: {failures}")
-    return [answer for _, answer in results]

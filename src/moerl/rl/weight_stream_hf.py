@@ -28,7 +28,8 @@ from moerl.models.arch import MoEArch
 from moerl.models.hf import cast_hf, hf_config
 from moerl.models.hf_mapping import mtp_copies, rules, to_hf
 from moerl.models.pieces import held_pieces, owned_pieces
-from moerl.parallel.shard_plan import Message, Piece, PlanError, messages, overlap
+from moerl.parallel.shard_messages import Message, messages
+from moerl.parallel.shard_plan import Piece, PlanError, overlap
 from moerl.rollout.weight_group import (
     GroupSpec,
     TensorSpec,

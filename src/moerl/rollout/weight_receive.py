@@ -27,7 +27,8 @@ import torch
 
 from moerl.models.arch import MoEArch
 from moerl.models.pieces import held_pieces
-from moerl.parallel.shard_plan import Piece, Transfer, routes_to, schedule
+from moerl.parallel.shard_messages import schedule
+from moerl.parallel.shard_plan import Piece, Transfer, by_name, routes_to
 from moerl.rollout.weight_group import (
     GroupSpec,
     Manifest,
@@ -54,7 +55,7 @@ def join(spec: GroupSpec, rank: int, model: torch.nn.Module, arch: MoEArch) -> R
     held = held_pieces([model], arch)
     mine = [p for p, _ in held]
     group, routes = join_with_plan(spec, rank, [], mine,
-                                   lambda senders, _: routes_to(mine, senders))
+                                   lambda senders, _: routes_to(mine, by_name(senders)))
     return ReceiveLink(group, spec, rank, held, routes)
 
 

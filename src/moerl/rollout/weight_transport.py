@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moerl.parallel.shard_plan import Load, Message, Transfer
+from moerl.parallel.shard_messages import Load, Message
+from moerl.parallel.shard_plan import Transfer
 from moerl.rollout.weight_group import WeightGroup, dtype_of, wait
 
 WINDOW = 2  # staging buffers a rank holds: one packed or unpacked while one moves

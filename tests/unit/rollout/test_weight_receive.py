@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from moerl.parallel.shard_plan import Piece, routes_from, routes_to, schedule
-from moerl.rl.weight_stream import free_port
+from moerl.parallel.shard_messages import schedule
+from moerl.parallel.shard_plan import Piece, by_name, routes_from, routes_to
+from moerl.rl.weight_requests import free_port
 from moerl.rollout.weight_group import GroupSpec, Manifest, abort, join_with_plan
 from moerl.rollout.weight_receive import ReceiveLink, install, stage
 from moerl.rollout.weight_transport import Traffic, send_messages
@@ -91,7 +92,7 @@ def _version(stall: int | None = None, leave: int | None = None,
 
     def receiver() -> Any:
         group, routes = join_with_plan(spec, 2, [], mine,
-                                       lambda senders, _: routes_to(mine, senders))
+                                       lambda senders, _: routes_to(mine, by_name(senders)))
         link = ReceiveLink(group, spec, 2, [(p, params[p.name]) for p in mine], routes)
         try:
             return stage(link, Manifest(1, "test", BUFFER))
