@@ -185,10 +185,23 @@ class ClusterConfig:
     """GPU nodes the partitions hold; None: not checked."""
     cpu_nodes: int | None = None
     """CPU nodes of the reward partition; None: not checked."""
+    # -- Links of one GPU (the weight sync's projection, benchmarks/weight_sync.py);
+    # None: not known, the projection asks for them --
+    nvlink_gbps: float | None = None
+    """GB/s each way between two GPUs of a node over NVLink, achievable."""
+    ib_gbps: float | None = None
+    """GB/s each way through one GPU's InfiniBand NIC, achievable."""
+    pcie_gbps: float | None = None
+    """GB/s each way between one GPU and host memory, achievable."""
+    message_latency_us: float | None = None
+    """per point-to-point message between nodes (NCCL send/recv), start to finish."""
 
     def __post_init__(self) -> None:
         if min(self.gpu_nodes or 1, self.cpu_nodes or 1) < 1:
             raise ValueError("cluster.gpu_nodes and cluster.cpu_nodes: >= 1, or null")
+        for name in ("nvlink_gbps", "ib_gbps", "pcie_gbps", "message_latency_us"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"cluster.{name}: must be > 0, or null (not known)")
         for name in ("rollout_port", "reward_port", "environment_port", "master_port",
                      "rollout_master_port"):
             if not 0 < getattr(self, name) < 65536:
