@@ -35,7 +35,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -64,19 +64,6 @@ LAYOUTS = {2: ["--tp", "2"], 4: ["--tp", "2", "--ep", "2"], 8: ["--tp", "2", "--
                                                                  "--pp", "2"]}
 SERVERS = {"one": [(1, [])], "two": [(2, ["--ep", "2"]), (2, ["--tp", "2"])]}
 JOB = Path(__file__).with_name("_weight_sync_job.py")
-
-
-@dataclass
-class Trained:
-    """What a weight sync reads of a policy."""
-
-    arch: MoEArch
-    chunks: list[Any]
-
-    def publish(self, directory: str | Path) -> Path:
-        from moerl.models.weights import save_weights
-
-        return save_weights(self.chunks, directory)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -130,6 +117,8 @@ def server(arch: MoEArch, tmp: Path, ranks: int = 1, flags: Sequence[str] = ()) 
 
 def disk_and_memory(arch: MoEArch, pushes: int, tmp: Path) -> dict[str, float]:
     """One trainer rank (this process) to one server rank, each way."""
+    from _weight_sync_job import Trained
+
     from moerl.models.build import build_model
     from moerl.models.count import count_params
     from moerl.parallel.groups import destroy_parallel, init_parallel
@@ -287,10 +276,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{size:<6} {r['params']:>14,} {r['disk']:>8.3f} {r['memory']:>9.3f} "
               f"{r['join']:>13.3f} {r['disk'] / r['memory']:>11.2f}x "
               f"{r['bytes'] / r['memory'] / 1e9:>12.2f}")
-    print(f"\nthe stream's model against this machine: {args.model} model into "
-          f"{len(urls)} server(s), medians of {args.pushes} versions, each predicted from the "
-          "machine measured just before it (GB/s; latency ms; off: measured / model - 1)")
     if jobs:
+        print(f"\nthe stream's model against this machine: {args.model} model into "
+              f"{len(urls)} server(s), medians of {args.pushes} versions, each predicted from "
+              "the machine measured just before it (GB/s; latency ms; off: measured / model - 1)")
         print("\n".join(model_rows(jobs)))
     print()
     print("\n".join(kimi_projection(256 << 20)))
