@@ -279,8 +279,10 @@ class Policy:
 
         hooks = ForwardHooks(replay=self.replay, load=self.load)
         with _aux_losses(self.trainable.model[0].config, self.cfg.aux_losses):
+            # Without the MTP loss (rl.aux_losses=false) its layers would only add zeros.
             return run_schedule(self.chunks, p.micro, on_logits, forward_only=False,
-                                device=device, hooks=hooks, cp_group=self.cp_group)
+                                device=device, hooks=hooks, cp_group=self.cp_group,
+                                mtp=self.cfg.aux_losses)
 
     def publish(self, directory: str | Path) -> Path:
         """Write the current weights (all ranks together) for the rollout servers."""
