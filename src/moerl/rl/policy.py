@@ -42,6 +42,7 @@ from moerl.models.build import build_model
 from moerl.models.features import resolve_precision
 from moerl.models.precision import RecomputeConfig, ResolvedPrecision
 from moerl.models.weights import load_weights, save_weights
+from moerl.models.whole_weights import holds_whole, save_whole
 from moerl.parallel.groups import ParallelGroups
 from moerl.parallel.layout import ParallelLayout
 from moerl.rl.config import PolicyConfig
@@ -285,8 +286,16 @@ class Policy:
                                 mtp=self.cfg.aux_losses)
 
     def publish(self, directory: str | Path) -> Path:
-        """Write the current weights (all ranks together) for the rollout servers."""
-        return save_weights(self.chunks, directory)
+        """Write the current weights for the rollout servers (every rank calls it): one
+        file from global rank 0 when every rank holds the whole model, else every rank
+        its shards (`models.weights`); `load_weights` reads either under any layout."""
+        if not holds_whole(self.groups.layout):
+            return save_weights(self.chunks, directory)
+        if self.groups.rank == 0:
+            save_whole(self.chunks, directory)
+        if dist.is_initialized():
+            dist.barrier()  # the file is complete before any rank returns its path
+        return Path(directory)
 
 
 @contextmanager
