@@ -2,7 +2,7 @@
 the sandbox, rollout server, trainer; local processes), no SFT, fixed-size steps.
 
     .venv/bin/python benchmarks/rl_step.py [--steps 6] [--prompts 4] [--group 8]
-    .venv/bin/python benchmarks/rl_step.py --before REV   # also REV's code, same run
+    .venv/bin/python benchmarks/rl_step.py --before REV [--repeat N]   # also REV's code
     .venv/bin/python benchmarks/rl_step.py --smoke   # 2 steps of 2 x 2 samples
     .venv/bin/python benchmarks/rl_step.py [options] KEY=VALUE ...   # more overrides
 
@@ -13,7 +13,8 @@ its share of the step, and "between phases": the step's wall time (`time/step`, 
 the start of generation to the end of the weight push) less the phases, i.e. the
 handing over of samples, advantages and metrics. With `--before REV` the same run is
 made first with the code and configs of git revision REV (a temporary worktree, this
-environment's packages), and both tables are printed with the ratio of each phase.
+environment's packages), and both tables are printed with the ratio of each phase;
+`--repeat N` runs each code N times, in turns, and takes the median of each figure.
 A second table gives each stage's CPU seconds per step (its processes' user and system
 time, read from /proc, over the steps after the first): on a machine others load, wall
 times stretch with their load, CPU seconds far less.
@@ -22,6 +23,7 @@ times stretch with their load, CPU seconds far less.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -64,6 +66,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_run_arguments(parser, steps=6)
     parser.add_argument("--before", metavar="REV", default=None,
                         help="also measure git revision REV's code, first, in the same run")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs of each code, taken in turns (load that drifts during a "
+                        "run then falls on both); each figure is their median")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="more `moerl train` overrides, e.g. model.mtp_num_layers=0")
     return parse_with_smoke(parser, SMOKE, argv)
@@ -177,35 +182,54 @@ def print_cpu(columns: dict[str, dict[str, float]]) -> None:
         print(line)
 
 
+def _median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
+def measure(args: argparse.Namespace, tmp: Path) -> tuple[
+        dict[str, dict[str, float]], dict[str, dict[str, float]], float]:
+    """(phases, CPU per stage) of each column, the median over `--repeat` rounds (each
+    round runs REV's code, then this code's), and this code's last run's wall seconds."""
+    names = [args.before[:10]] if args.before else []
+    phase_runs: dict[str, list[dict[str, float]]] = {name: [] for name in [*names, "this code"]}
+    cpu_runs: dict[str, list[dict[str, float]]] = {name: [] for name in phase_runs}
+    wall = 0.0
+    with contextlib.ExitStack() as stack:
+        tree = stack.enter_context(worktree(args.before)) if args.before else None
+        for round_ in range(args.repeat):
+            for name in phase_runs:
+                run_dir = tmp / f"{round_}-{name.replace(' ', '-')}" / "run"
+                run_dir.parent.mkdir(parents=True)
+                cpu: dict[str, float] = {}
+                started = time.perf_counter()
+                src = tree / "src" if tree is not None and name != "this code" else None
+                phase_runs[name].append(phases(run(args, run_dir, args.overrides, src=src,
+                                                   cpu=cpu)))
+                wall = time.perf_counter() - started
+                if cpu:
+                    cpu_runs[name].append(cpu)
+    cpu_columns = {n: _median_of(c) for n, c in cpu_runs.items() if c}
+    return {n: _median_of(p) for n, p in phase_runs.items()}, cpu_columns, wall
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    columns: dict[str, dict[str, float]] = {}
-    cpu: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="moerl-rl-step-") as tmp:
-        if args.before:
-            (Path(tmp) / "before").mkdir()
-            name = args.before[:10]
-            with worktree(args.before) as tree:
-                cpu[name] = {}
-                columns[name] = phases(run(args, Path(tmp) / "before" / "run", args.overrides,
-                                           src=tree / "src", cpu=cpu[name]))
-        started = time.perf_counter()
-        (Path(tmp) / "after").mkdir()
-        cpu["this code"] = {}
-        columns["this code"] = phases(run(args, Path(tmp) / "after" / "run", args.overrides,
-                                          cpu=cpu["this code"]))
-        wall = time.perf_counter() - started
+        columns, cpu, wall = measure(args, Path(tmp))
     samples = args.prompts * args.group
     step = columns["this code"]["step"]
     print(TABLE_TITLE)
     print(f"{samples} samples a step ({args.prompts} prompts x {args.group}), median of "
-          f"{max(args.steps - 1, 1)} steps; this code's run took {wall:.0f} s with start-up")
+          f"{max(args.steps - 1, 1)} steps" + (f", then of {args.repeat} runs taken in turns"
+                                               if args.repeat > 1 else "")
+          + f"; this code's last run took {wall:.0f} s with start-up")
     print_table(columns)
     print(f"samples/s: {samples / step:.1f}"
           + "".join(f"; {name}: {samples / c['step']:.1f}" for name, c in columns.items()
                     if name != "this code"))
-    if all(cpu.values()):
+    if len(cpu) == len(columns):
         print_cpu(cpu)
+
 
 if __name__ == "__main__":
     main()
