@@ -65,3 +65,26 @@ def per_stage(before: Reading, after: Reading, stages: dict[str, str]) -> dict[s
                       if marker in line), "other")
         out[stage] += max(spent, 0.0)
     return out
+
+
+class StepCpu:
+    """CPU seconds of each RL step of a run, all its processes together and the reward
+    server's: a reading of the processes' trees each time the run reports something
+    (`mark`), an interval counted when what it reported is one RL step (not an
+    evaluation, nor a step and an evaluation together)."""
+
+    def __init__(self) -> None:
+        self.total: list[float] = []
+        self.reward: list[float] = []
+        self._last: Reading | None = None
+
+    def mark(self, roots: list[int], kinds: list[str]) -> None:
+        """`kinds`: what was reported since the last mark ("step" or "eval")."""
+        reading: Reading = {}
+        for root in roots:
+            reading |= tree_cpu(root)
+        if self._last is not None and kinds == ["step"]:
+            spent = per_stage(self._last, reading, {"reward": "serve reward"})
+            self.total.append(sum(spent.values()))
+            self.reward.append(spent["reward"])
+        self._last = reading

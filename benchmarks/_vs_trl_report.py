@@ -20,10 +20,10 @@ COLUMN = 24
 
 def spread(values: Sequence[float | None], spec: str) -> str:
     """'median [min-max]' of the values given (one value: itself); a count when some
-    are missing (a threshold not reached)."""
+    are missing (a threshold not reached), "-" when all are."""
     there = [v for v in values if v is not None]
     if not there:
-        return "not reached"
+        return "-"
     text = format(there[0], spec) if len(there) == 1 else (
         f"{format(statistics.median(there), spec)} "
         f"[{format(min(there), spec)}-{format(max(there), spec)}]")
@@ -50,6 +50,8 @@ def rows(args: argparse.Namespace) -> list[tuple[str, Callable[[Trace, float], f
         ("RL s/step without rewards", lambda t, _: t.median_step(rewards=False), ".2f"),
         ("  rewards s/step", lambda t, _: t.median_reward_s(), ".2f"),
         ("samples/s", lambda t, _: t.samples_per_step / t.median_step(), ".1f"),
+        ("CPU s/RL step, all processes", lambda t, _: t.median_cpu(), ".2f"),
+        ("  without the reward server's", lambda t, _: t.median_cpu(rewards=False), ".2f"),
         ("train reward, last RL step", lambda t, _: t.rewards[-1] if t.rewards else None, ".2f"),
         ("pass rate after SFT", lambda t, _: t.evals[0][2], ".3f"),
         ("pass rate at the end", lambda t, _: t.evals[-1][2], ".3f"),
@@ -75,6 +77,8 @@ def print_ratios(args: argparse.Namespace, names: dict[str, str], runs: Runs) ->
     figures: list[tuple[str, Callable[[Trace, float], float | None]]] = [
         ("RL step", lambda t, _: t.median_step()),
         ("RL step without rewards", lambda t, _: t.median_step(rewards=False)),
+        ("CPU per RL step", lambda t, _: t.median_cpu()),
+        ("CPU per RL step without rewards", lambda t, _: t.median_cpu(rewards=False)),
         ("SFT", lambda t, _: t.sft_s),
         ("training time to threshold", lambda t, x: t.reached(x)),
     ]
@@ -97,10 +101,14 @@ def print_variant(args: argparse.Namespace, names: dict[str, str],
     other = "cold" if args.rewards == "warm" else "warm"
     print(f"rewards {other}: {args.variant_steps} RL steps from seed {args.seed_list[0]}'s "
           "SFT model (medians after the first step)")
-    for label, figure in (("RL s/step", lambda t: t.median_step()),
-                          ("RL s/step without rewards", lambda t: t.median_step(False)),
-                          ("  rewards s/step", lambda t: t.median_reward_s())):
-        cells = [f"{figure(variant[key]):.2f}" for key in names.values()]
+    figures: list[tuple[str, Callable[[Trace], float | None]]] = [
+        ("RL s/step", lambda t: t.median_step()),
+        ("RL s/step without rewards", lambda t: t.median_step(False)),
+        ("  rewards s/step", lambda t: t.median_reward_s()),
+        ("CPU s/RL step, all processes", lambda t: t.median_cpu()),
+        ("  without the reward server's", lambda t: t.median_cpu(False))]
+    for label, figure in figures:
+        cells = [spread([figure(variant[key])], ".2f") for key in names.values()]
         print(f"{label:<36}" + "".join(f"{c:>{COLUMN}}" for c in cells))
 
 
@@ -111,7 +119,8 @@ def print_report(args: argparse.Namespace, names: dict[str, str], runs: Runs,
     print(f"demo task; SFT {args.sft_steps} steps; RL {args.rl_steps} steps of {args.prompts} "
           f"prompts x {args.group} samples ({args.updates} updates); {args.eval_size} held-out "
           f"tasks every {args.eval_interval} steps; rewards {args.rewards}; seeds {args.seeds}; "
-          f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; cells: median [min-max] over seeds")
+          f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; cells: median [min-max] over seeds; "
+          "training s to threshold: '-' where never reached")
     print_table(args, names, runs)
     print_ratios(args, names, runs)
     if variant:

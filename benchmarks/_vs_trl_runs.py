@@ -16,8 +16,10 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from _cpu import StepCpu
 
 from moerl.parent_death import wrapped
 from moerl.rendezvous import discover
@@ -43,6 +45,17 @@ class Trace:
     samples_per_step: int
     evals: list[Eval]
     rewards: list[float]  # mean reward of each RL step's samples
+    # CPU seconds of each RL step (the first one measured may be missing), all the run's
+    # processes and of them the reward server's (`_cpu.StepCpu`)
+    cpu_s: list[float] = field(default_factory=list)
+    reward_cpu_s: list[float] = field(default_factory=list)
+
+    def median_cpu(self, rewards: bool = True) -> float | None:
+        """Median CPU seconds of an RL step after the first, without the reward server's
+        when `rewards` is False; None when no step was measured."""
+        steps = [c - (0.0 if rewards else r) for c, r in zip(self.cpu_s, self.reward_cpu_s,
+                                                            strict=True)]
+        return statistics.median(steps[1:] or steps) if steps else None
 
     def median_step(self, rewards: bool = True) -> float:
         """Median over the steps after the first (which warms up); without the rewards'
@@ -94,14 +107,17 @@ def run_moerl(overrides: Sequence[str], run_dir: Path, samples: int, params: int
     reader = threading.Thread(target=lambda: lines.extend(
         (time.time(), line) for line in proc.stdout or ()), daemon=True)
     reader.start()
-    metrics = run_dir / "metrics.jsonl"
+    metrics, cpu = run_dir / "metrics.jsonl", StepCpu()
     while True:
         running = proc.poll() is None
         done = metrics.read_text().splitlines() if metrics.exists() else []
-        rows += [(time.time(), json.loads(x)) for x in done[len(rows):] if x.endswith("}")]
+        new = [(time.time(), json.loads(x)) for x in done[len(rows):] if x.endswith("}")]
+        if new and running:
+            cpu.mark([proc.pid], [_kind(r) for _, r in new])
+        rows += new
         if not running:
             break
-        time.sleep(0.25)
+        time.sleep(0.1)
     reader.join()
     (run_dir.parent / f"{run_dir.name}.log").write_text("".join(line for _, line in lines))
     if proc.returncode != 0:
@@ -113,7 +129,11 @@ def run_moerl(overrides: Sequence[str], run_dir: Path, samples: int, params: int
              if "eval/pass_rate" in r]
     return Trace(params, t0 - started, sft_s, [r["time/step"] for r in steps],
                  [r.get("time/reward", 0.0) for r in steps], samples, evals,
-                 [r["reward/mean"] for r in steps])
+                 [r["reward/mean"] for r in steps], cpu.total, cpu.reward)
+
+
+def _kind(row: dict[str, float]) -> str:
+    return "step" if "time/step" in row else "eval" if "eval/pass_rate" in row else "other"
 
 
 def sft_window(lines: list[tuple[float, str]]) -> tuple[float, float]:
@@ -128,8 +148,10 @@ def sft_window(lines: list[tuple[float, str]]) -> tuple[float, float]:
 
 
 @contextmanager
-def reward_server(tmp: Path, concurrency: int, warm_slots: int, isolation: str) -> Iterator[str]:
-    """A `moerl serve reward` as `moerl train` starts one; its URL while the block runs."""
+def reward_server(tmp: Path, concurrency: int, warm_slots: int, isolation: str
+                  ) -> Iterator[tuple[str, int]]:
+    """A `moerl serve reward` as `moerl train` starts one; (its URL, its pid) while the
+    block runs."""
     rendezvous = tmp / "rendezvous"
     argv = [sys.executable, "-m", "moerl.launchers.cli", "serve", "reward", "--host",
             "127.0.0.1", "--port", "0", "--max-concurrency", str(concurrency), "--isolation",
@@ -143,25 +165,39 @@ def reward_server(tmp: Path, concurrency: int, warm_slots: int, isolation: str) 
                              f"{(tmp / 'reward.log').read_text()[-2000:]}")
 
     try:
-        yield "http://" + discover(rendezvous, "reward", 1, timeout=120, check=alive)[0]
+        yield "http://" + discover(rendezvous, "reward", 1, timeout=120, check=alive)[0], proc.pid
     finally:
         proc.terminate()
         proc.wait(timeout=60)
 
 
-def run_trl(tmp: Path, spec: dict[str, object]) -> Trace:
-    """One TRL side in its own process, `spec` as benchmarks/_trl_side.py reads it."""
+def run_trl(tmp: Path, spec: dict[str, object], reward_pid: int) -> Trace:
+    """One TRL side in its own process, `spec` as benchmarks/_trl_side.py reads it; the
+    CPU of its steps counts its reward server's (`reward_pid`)."""
     spec_file, result, log = tmp / "spec.json", tmp / "result.json", tmp / "trl.log"
     spec_file.write_text(json.dumps(spec))
-    started = time.time()
+    started, cpu, seen = time.time(), StepCpu(), 0
     with open(log, "w") as out:
         argv = wrapped([sys.executable, "-u", str(HERE / "_trl_side.py"), str(spec_file),
                         str(result)])
-        done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=_QUIET,
-                              check=False)
-    if done.returncode != 0:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=_QUIET)
+        while proc.poll() is None:
+            lines = log.read_text(errors="replace").splitlines()
+            kinds = [k for line in lines[seen:] if (k := _line_kind(line))]
+            seen = len(lines)
+            if kinds:
+                cpu.mark([proc.pid, reward_pid], kinds)
+            time.sleep(0.1)
+    if proc.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-        raise SystemExit(f"the TRL side failed ({done.returncode}):\n{tail}")
+        raise SystemExit(f"the TRL side failed ({proc.returncode}):\n{tail}")
     r = json.loads(result.read_text())
     return Trace(r["params"], r["sft_start"] - started, r["sft_s"], r["step_s"], r["reward_s"],
-                 r["samples_per_step"], [tuple(e) for e in r["evals"]], r["rewards"])
+                 r["samples_per_step"], [tuple(e) for e in r["evals"]], r["rewards"],
+                 cpu.total, cpu.reward)
+
+
+def _line_kind(line: str) -> str | None:
+    """What a line of the TRL side reports (benchmarks/_trl_side.py's Clock prints them)."""
+    return "step" if line.startswith("RL step ") else "eval" if line.startswith(
+        "eval at step ") else None

@@ -143,16 +143,19 @@ class Bench:
             spec["sft"] = {**self.spec["sft"], "steps": 0}
         rewards = self.cfg.rewards
         with reward_server(run, rewards.max_concurrency, self.warm_slots if warm else 0,
-                           rewards.isolation) as url:
-            return run_trl(run, {**spec, "reward_url": url})
+                           rewards.isolation) as (url, pid):
+            return run_trl(run, {**spec, "reward_url": url}, pid)
 
-    def seed_runs(self, seed: int) -> dict[str, Trace]:
-        """Every side of one seed, with the default reward variant."""
+    def seed_runs(self, seed: int, turn: int) -> dict[str, Trace]:
+        """Every side of one seed, with the default reward variant; the `turn`-th seed
+        starts with the `turn`-th side, so that load that drifts over the hours falls
+        on every side in turn."""
         warm, out = self.args.rewards == "warm", {}
         init = self.tmp / f"init-{seed}"
         if {"moerl", "deepseek_v3"} & set(self.args.side_list):
             shared_init(init, seed, overrides(self.args, warm))
-        for side in self.args.side_list:
+        sides = self.args.side_list
+        for side in sides[turn % len(sides):] + sides[:turn % len(sides)]:
             print(f"seed {seed}: {SIDES[side]} ...", flush=True)
             if side == "moerl":
                 out[side] = self.moerl(seed, warm, [f"init_weights={init / 'megatron'}"],
@@ -187,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="moerl-vs-trl-") as name:
         bench = Bench(args, Path(name))
-        runs = {seed: bench.seed_runs(seed) for seed in args.seed_list}
+        runs = {seed: bench.seed_runs(seed, turn) for turn, seed in enumerate(args.seed_list)}
         variant = bench.variant_runs(args.seed_list[0]) if args.variant_steps else {}
     print(TABLE_TITLE)
     print_report(args, {SIDES[k]: k for k in args.side_list}, runs, variant)
