@@ -52,7 +52,7 @@ class Grader:
     """Rewards of completions from the reward server; `busy_s`: wall time spent there."""
 
     def __init__(self, url: str, batch_size: int, seed: int) -> None:
-        self.client = RewardClient(RewardClientConfig(urls=(url,), batch_size=batch_size),
+        self.client = RewardClient(RewardClientConfig(batch_size=batch_size), urls=(url,),
                                    seed=seed)
         self.busy_s = 0.0
         self.calls = 0  # the client's cache is per call, as moerl's is per step
