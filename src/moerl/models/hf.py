@@ -26,8 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from moerl.models.arch import MoEArch
 from moerl.models.build import build_model
@@ -64,6 +62,8 @@ class HFCheckpoint:
         files = sorted(self.dir.glob("*.safetensors"))
         if not files:
             raise HFError(f"{self.dir}: no *.safetensors files")
+        from safetensors import safe_open  # the hf extra; the shard helpers below need none
+
         self._files = [safe_open(str(f), framework="pt") for f in files]
         self._where = {k: f for f in self._files for k in f.keys()}  # noqa: SIM118
 
@@ -96,10 +96,14 @@ def _unwrap(chunk: torch.nn.Module) -> Any:
     return inner
 
 
-def local_tensors(chunk: torch.nn.Module, arch: MoEArch) -> Iterator[tuple[str, torch.Tensor]]:
-    """(global Megatron name, local tensor) for each weight of a chunk, same order on all ranks."""
+def local_tensors(chunk: torch.nn.Module, arch: MoEArch | None = None
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(global Megatron name, local tensor) for each weight of a chunk, same order on all
+    ranks. Without `arch`, the expert count and the embedding tying are the model's."""
     model = _unwrap(chunk)
-    per_rank = arch.num_experts // ps.get_expert_model_parallel_world_size()
+    experts = arch.num_experts if arch else model.config.num_moe_experts or 0
+    untied = arch.untie_embeddings if arch else not model.share_embeddings_and_output_weights
+    per_rank = experts // ps.get_expert_model_parallel_world_size()
     first_expert = ps.get_expert_model_parallel_rank() * per_rank
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name.endswith("_extra_state"):
@@ -112,7 +116,7 @@ def local_tensors(chunk: torch.nn.Module, arch: MoEArch) -> Iterator[tuple[str, 
         if match:
             name = (name[: match.start()] + f".experts.local_experts."
                     f"{first_expert + int(match[1])}." + name[match.end():])
-        if name == "output_layer.weight" and not arch.untie_embeddings:
+        if name == "output_layer.weight" and not untied:
             name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied one
         yield name, tensor
 
@@ -217,6 +221,8 @@ def gather_megatron(chunks: list[torch.nn.Module], arch: MoEArch,
 
 def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: Path) -> None:
     """Files of at most ~4 GiB each, with the index transformers reads for many files."""
+    from safetensors.torch import save_file
+
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in sorted(tensors):
