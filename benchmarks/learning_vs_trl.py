@@ -137,7 +137,8 @@ class Bench:
         run = self.tmp / name
         run.mkdir()
         spec = {**self.spec, "kind": kind, "init": str(init) if init else None,
-                "save": str(save) if save else None, "reward_batch": self.cfg.rewards.client.batch_size,
+                "save": str(save) if save else None,
+                "reward_batch": self.cfg.rewards.client.batch_size,
                 "rl": {**self.spec["rl"], "seed": seed, **(rl or {})}}
         if rl is not None:  # a variant run: no SFT
             spec["sft"] = {**self.spec["sft"], "steps": 0}
