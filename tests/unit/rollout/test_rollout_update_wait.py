@@ -25,6 +25,7 @@ class SlowLoadEngine(FakeEngine):
     backend = "fake"
     broken: str | None = None
     ranks = None  # one process
+    runner = None  # the static backend
 
     def check(self, request: GenerationRequest) -> None:
         pass
