@@ -19,10 +19,12 @@ from typing import Any
 
 import pytest
 
+from moerl.agent.environment import AgentTask
 from moerl.agent.scheduler import AgentScheduler, SchedulerConfig
 from moerl.agent.suite import SuiteTask, all_tasks
 from moerl.agent.tasks import SUBMIT, ScriptedPolicy, tagged
 from moerl.agent.terminal import TerminalEnvironment
+from moerl.agent.tools import ToolCall, parse_tool_call
 from moerl.agent.trajectory import Trajectory
 from moerl.data.tokenizer import ByteTokenizer
 from moerl.sandbox import Sandbox, SandboxConfig
@@ -110,3 +112,23 @@ def test_a_partial_solution_is_no_pass() -> None:
     finally:
         env.close()
     assert result.reward == 0.0 and result.infra_error is None
+
+
+def test_a_call_with_lone_surrogates_runs_in_the_trainers_own_terminal() -> None:
+    """environments.servers=0: the terminal runs in this process, so a tool call whose
+    text the model's byte-level decode left with a lone surrogate must still be written."""
+    _need("bwrap")
+    sandbox = Sandbox(SandboxConfig())
+    env = TerminalEnvironment(sandbox)
+    text = ('<tool_call>{"name": "write_file", "arguments": {"path": "note.txt", '
+            '"content": "a\\udc80b"}}</tool_call>')
+    try:
+        env.reset(AgentTask("surrogate", "write a note"))
+        call = parse_tool_call(text, env.tools)
+        assert isinstance(call, ToolCall)
+        observation = env.step(call)
+        assert not observation.error and observation.fault is None, observation
+        assert env.work_dir is not None
+        assert (env.work_dir / "note.txt").read_text() == "a\ufffdb"
+    finally:
+        env.close()

@@ -16,6 +16,7 @@ the model's.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -70,7 +71,10 @@ class EnvironmentServers:
 
     def post(self, url: str, path: str, body: dict[str, Any] | None = None) -> Any:
         try:
-            reply = self.http.post(f"{url}{path}", json=body or {})
+            # Encoded here, ASCII-escaped: a tool call's text may hold a lone surrogate
+            # (a byte-level decode of the model's tokens), which a UTF-8 encoder refuses.
+            reply = self.http.post(f"{url}{path}", content=json.dumps(body or {}).encode(),
+                                   headers={"content-type": "application/json"})
         except httpx.HTTPError as exc:
             raise EnvironmentServerError(f"{url}{path}: {type(exc).__name__}: {exc}") from exc
         if reply.status_code != 200:

@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from moerl.rewards.wire import repair_text, repair_values
+
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 _CALL_RE = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + r"|$)", re.S)
@@ -130,6 +132,9 @@ def parse_tool_call(text: str, tools: Sequence[ToolSpec]) -> ToolCall | ToolCall
     engines cut from the text); what matters is that the JSON inside is complete.
     """
     by_name = {t.name: t for t in tools}
+    # Model text: a byte-level decode can leave lone surrogates, raw or JSON-escaped
+    # ("\\udc80"); no environment gets one in a command, a path or a file's text.
+    text, _ = repair_text(text)
     match = _CALL_RE.search(text)
     if match is None:
         return ToolCallError(
@@ -157,6 +162,10 @@ def parse_tool_call(text: str, tools: Sequence[ToolSpec]) -> ToolCall | ToolCall
             return ToolCallError(f'"arguments" is a string but not valid JSON ({exc.msg})')
     if not isinstance(arguments, dict):
         return ToolCallError(f'"arguments" must be a JSON object, got {type(arguments).__name__}')
+    try:
+        arguments, _ = repair_values(arguments)
+    except ValueError as exc:
+        return ToolCallError(f'"arguments" {exc}')
     problem = _check_arguments(by_name[name], arguments)
     if problem is not None:
         return ToolCallError(problem)

@@ -24,23 +24,22 @@ from moerl.data.tokenizer import Tokenizer, build_tokenizer
 from moerl.launchers.domain_report import check_reward_names, domain_plot, domain_table
 from moerl.launchers.plan import RunLayout
 from moerl.models.features import resolve_precision
+from moerl.models.precision import RecomputeConfig, ResolvedPrecision
 from moerl.models.weights import save_weights
 from moerl.observability import MetricsLogger, read_metrics
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
 from moerl.rendezvous import ENV_RENDEZVOUS, read_endpoints, request_requeue
-from moerl.rewards.client import RewardClient, RewardClientConfig
+from moerl.rewards.client import RewardClient
 from moerl.rl.agent_collect import EPISODE, terminal_source
-from moerl.rl.config import PolicyConfig
 from moerl.rl.domains import domain_runs
 from moerl.rl.loop import Controller, train
-from moerl.rl.losses import build_objective, objective_config_class
 from moerl.rl.policy import Policy
 from moerl.rl.resume import RLCheckpoints
 from moerl.rl.weight_sync import build_weight_sync
-from moerl.rollout.client import ClientConfig, RolloutClient
+from moerl.rollout.client import RolloutClient
 from moerl.signals import STOP_SIGNALS, StopOnSignal, start_helpers_ignoring
 from moerl.trainer.sft import build_sft_trainable, run_sft
-from moerl.typed_config import from_dict, to_dict
+from moerl.typed_config import to_dict
 
 
 def sft_phase(cfg: RunConfig, groups: ParallelGroups, tok: Tokenizer,
@@ -61,12 +60,9 @@ def sft_phase(cfg: RunConfig, groups: ParallelGroups, tok: Tokenizer,
 def _controller(cfg: RunConfig, root: Path, records: list[PromptRecord],
                 held_out: list[PromptRecord], tok: Tokenizer) -> Controller:
     rendezvous = Path(os.environ.get(ENV_RENDEZVOUS, root / "rendezvous"))
-    engines = RolloutClient(rendezvous_dir=rendezvous,
-                            config=ClientConfig(timeout_s=cfg.rollout.request_timeout_s),
+    engines = RolloutClient(rendezvous_dir=rendezvous, config=cfg.rollout.client,
                             engine=cfg.rollout.engine)
-    judges = RewardClient(RewardClientConfig(
-        rendezvous_dir=rendezvous, batch_size=cfg.rewards.batch_size,
-        timeout_s=cfg.rewards.timeout_s), seed=cfg.rl.seed)
+    judges = RewardClient(cfg.rewards.client, rendezvous_dir=rendezvous, seed=cfg.rl.seed)
     data = cfg.data
     prompts: PromptStream | MixtureStream = (
         MixtureStream.of(records, data.mixture, data.seed, cfg.rl.difficulty_filter_epochs)
@@ -131,6 +127,24 @@ def trainer_main(cfg: RunConfig, dirs: RunLayout) -> int:
         destroy_parallel()
 
 
+def build_policy(cfg: RunConfig, groups: ParallelGroups, weights: str | Path | None,
+                 reference_weights: str | Path | None, precision: ResolvedPrecision,
+                 recompute: RecomputeConfig) -> Policy:
+    """The policy, its reference and, with `rl.advantage=gae`, PPO's critic: what every
+    trainer rank builds (also `moerl rehearse`, on a fake rank)."""
+    policy = Policy.build(
+        cfg.model, cfg.parallel, cfg.optim, groups, cfg.rl, weights=weights,
+        reference_weights=reference_weights, precision=precision, recompute=recompute,
+    )
+    if cfg.rl.advantage == "gae":  # PPO's critic; a resume then loads it from the checkpoint
+        from moerl.rl.critic import Critic
+
+        policy.critic = Critic.build(
+            cfg.model, cfg.parallel, cfg.optim, groups, cfg.rl.critic, init_from=policy.chunks,
+            seed=cfg.rl.seed, precision=precision, recompute=recompute)
+    return policy
+
+
 def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSignal) -> bool:
     """True when a stop signal ended the run (checkpointed) before its last step."""
     tok = build_tokenizer(cfg.tokenizer, cfg.model.vocab_size)
@@ -143,26 +157,8 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
     resuming = ckpt is not None and ckpt.found() is not None
     weights = (sft_phase(cfg, groups, tok, records, dirs.sft_weights)
                if cfg.sft.steps and not resuming else cfg.init_weights)
-    objective_cfg = from_dict(objective_config_class(cfg.rl.objective),
-                              cfg.rl.objective_args, "rl.objective_args")
-    policy = Policy.build(
-        cfg.model, cfg.parallel, cfg.optim, build_objective(cfg.rl.objective, objective_cfg),
-        groups, PolicyConfig(
-            token_budget=cfg.rl.token_budget, aux_losses=cfg.rl.aux_losses,
-            token_advantages=("reinforce_pp" if cfg.rl.advantage == "reinforce_pp" else
-                              "gae" if cfg.rl.advantage == "gae" else "none"),
-            kl_in_reward=cfg.rl.kl_in_reward, gae_gamma=cfg.rl.gae_gamma,
-            gae_lambda=cfg.rl.gae_lambda),
-        weights=weights, reference_weights=ckpt.reference_weights() if ckpt else None,
-        precision=resolve_precision(cfg.precision), recompute=cfg.recompute,
-    )
-    if cfg.rl.advantage == "gae":  # PPO's critic; a resume then loads it from the checkpoint
-        from moerl.rl.critic import Critic
-
-        policy.critic = Critic.build(
-            cfg.model, cfg.parallel, cfg.optim, groups, cfg.rl.critic, init_from=policy.chunks,
-            seed=cfg.rl.seed, precision=resolve_precision(cfg.precision),
-            recompute=cfg.recompute)
+    policy = build_policy(cfg, groups, weights, ckpt.reference_weights() if ckpt else None,
+                          resolve_precision(cfg.precision), cfg.recompute)
     state = ckpt.load(policy) if ckpt else None
     start = state.next_step if state else 0
     ctl = _controller(cfg, dirs.root, records, held_out, tok) if groups.rank == 0 else None
@@ -191,7 +187,8 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
                              keep=cfg.rl.keep_weight_versions,
                              hf_model_dir=cfg.rollout.hf_model_dir, dtype=cfg.rollout.dtype,
                              mode=cfg.rl.weight_sync, arch=policy.arch,
-                             bucket_mb=cfg.rl.weight_sync_bucket_mb,
+                             staging_bytes=cfg.rl.weight_sync_staging_bytes,
+                             timeout_s=cfg.rl.weight_sync_timeout_s,
                              server_ranks=cfg.rollout.tensor_parallel
                              * cfg.rollout.pipeline_parallel)
     sync.push(policy, start)  # the servers start from the trainer's (resumed) weights

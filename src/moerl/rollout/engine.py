@@ -40,8 +40,7 @@ from moerl.rollout.sampling import RowSampling
 from moerl.rollout.speculative_decode import SpeculativeDecoder
 from moerl.rollout.static_decode import DecodeRow, StaticDecoder
 from moerl.rollout.types import GenerationRequest, RequestError, Sample
-from moerl.rollout.weight_group import WeightGroup
-from moerl.rollout.weight_receive import BufferPool
+from moerl.rollout.weight_receive import ReceiveLink
 
 __all__ = ["Backend", "EngineBroken", "EngineOptions", "MegatronEngine", "RolloutEngine",
            "WeightLoadError", "build_engine"]
@@ -73,8 +72,9 @@ class MegatronEngine(WeightUpdates):
                  ranks: RolloutRanks | None = None, arch: MoEArch | None = None) -> None:
         self.model = model
         self.arch = arch  # needed by updates over a weight group (global tensor names)
-        self._weight_group: WeightGroup | None = None
-        self._buffers = BufferPool()  # of streamed versions (`rollout.weight_receive`)
+        self._link: ReceiveLink | None = None  # the trainer's weight group, once joined
+        # What each rank received of the last streamed version (`weight_transport.Traffic`).
+        self.last_received: list[dict[str, int]] = []
         self.ranks = ranks if ranks is not None and ranks.size > 1 else None
         self.tokenizer = tokenizer
         self.max_sequence_length = max_sequence_length

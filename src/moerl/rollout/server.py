@@ -31,6 +31,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from moerl.data.tiktoken_tokenizer import TiktokenTokenizer
 from moerl.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from moerl.models.arch import MoEArch
 from moerl.models.precision import FP8_RECIPES, ParamsDtype, PrecisionConfig, TransformerImpl
@@ -51,7 +52,7 @@ from moerl.rollout.options import BACKENDS, STATIC_BATCH
 from moerl.rollout.ranks import follow
 from moerl.rollout.speculative.config import SPECULATIVE_MODES, SpeculativeConfig
 from moerl.rollout.types import LOGPROB_MODES, RequestError
-from moerl.rollout.weight_group import GroupSpec, Manifest, TensorSpec
+from moerl.rollout.weight_group import GroupSpec, Manifest
 from moerl.typed_config import from_dict
 
 log = logging.getLogger(__name__)
@@ -147,11 +148,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/update_weights_from_distributed", response_model=None)
     async def update_from_group(body: ManifestBody) -> dict[str, Any] | JSONResponse:
-        manifest = Manifest(tuple(TensorSpec(t.name, t.dtype, tuple(t.shape))
-                                  for t in body.tensors), body.version, body.bucket_bytes)
+        manifest = Manifest(body.version, body.group_name, body.buffer_bytes)
         future = state.scheduler.submit_update(
             "weight group", body.version, action=lambda: state.engine.receive_weights(manifest))
-        return await _updated(state, future)
+        reply = await _updated(state, future)
+        if isinstance(reply, dict):  # what each rank received, as its transport counted
+            reply["ranks"] = state.engine.last_received
+        return reply
 
     @app.post("/update_weights", response_model=None)
     async def update_weights(body: UpdateBody) -> dict[str, Any] | JSONResponse:
@@ -236,9 +239,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--params-dtype", choices=get_args(ParamsDtype), default="auto",
                    help="the run's precision.params_dtype")
     p.add_argument("--fp8", choices=FP8_RECIPES, default=None, help="the run's precision.fp8")
+    p.add_argument("--fp8-param", action="store_true",
+                   help="the run's precision.fp8_param: FP8 primary weights (one byte each)")
     p.add_argument("--tokenizer", default=None,
-                   help="a Hugging Face tokenizer directory (the run's tokenizer.path); "
-                        "default: bytes")
+                   help="a tokenizer directory (the run's tokenizer.path); default: bytes")
+    p.add_argument("--tokenizer-kind", choices=("hf", "tiktoken"), default="hf",
+                   help="the run's tokenizer.kind: tokenizer.json or tiktoken.model")
     p.add_argument("--eos-token", default=None, help="EOS token text (default: the directory's)")
     p.add_argument("--pad-token", default=None)
     p.add_argument("--bos-token", default=None)
@@ -261,23 +267,34 @@ def _arch(args: argparse.Namespace) -> str | MoEArch:
     return from_dict(MoEArch, data, "model")
 
 
+def precision_of(args: argparse.Namespace) -> PrecisionConfig:
+    """The precision a server parsed from `args` computes in (the run's)."""
+    return PrecisionConfig(transformer_impl=args.transformer_impl,
+                           params_dtype=args.params_dtype, fp8=args.fp8,
+                           fp8_param=args.fp8_param)
+
+
+def _tokenizer(args: argparse.Namespace) -> Tokenizer:
+    if not args.tokenizer:
+        return ByteTokenizer()
+    specials = dict(eos_token=args.eos_token, pad_token=args.pad_token,
+                    bos_token=args.bos_token, end_of_turn_token=args.end_of_turn_token)
+    if args.tokenizer_kind == "tiktoken":
+        return TiktokenTokenizer(args.tokenizer, **specials)
+    return HFTokenizer(args.tokenizer, **specials)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    tokenizer: Tokenizer = (
-        HFTokenizer(args.tokenizer, eos_token=args.eos_token, pad_token=args.pad_token,
-                    bos_token=args.bos_token, end_of_turn_token=args.end_of_turn_token)
-        if args.tokenizer else ByteTokenizer()
-    )
+    tokenizer = _tokenizer(args)
     speculative = SpeculativeConfig(mode=args.speculative, num_draft_tokens=args.num_draft_tokens,
                                     adaptive=args.adaptive_drafts)
     options = EngineOptions(args.max_batch, args.backend, args.logprob_mode, speculative,
                             partial_rollouts=args.partial_rollouts, kv_cache_gb=args.kv_cache_gb,
                             block_size=args.block_size, prefill_chunk=args.prefill_chunk)
-    precision = PrecisionConfig(transformer_impl=args.transformer_impl,
-                                params_dtype=args.params_dtype, fp8=args.fp8)
     engine = build_engine(_arch(args), tokenizer, weights=args.weights, seed=args.seed,
-                          options=options, precision=precision, tp=args.tp, ep=args.ep,
+                          options=options, precision=precision_of(args), tp=args.tp, ep=args.ep,
                           pp=args.pp)
     if engine.ranks is not None and not engine.ranks.leader:
         follow(engine, engine.ranks)

@@ -63,3 +63,22 @@ def test_schemas_are_openai_function_format() -> None:
     assert all(json.dumps(t.to_openai()) in prompt for t in TOOLS)
     with pytest.raises(ValueError, match="required"):
         ToolSpec("bad", "x", {}, required=("a",))
+
+
+@pytest.mark.parametrize("surrogate", ["\udc80", "\\udc80"])  # raw, and JSON-escaped
+def test_lone_surrogates_in_a_call_are_repaired(surrogate: str) -> None:
+    """A byte-level decode of the model's tokens can hold lone surrogates; the parsed call
+    carries U+FFFD instead, so no environment (a server's or the trainer's own terminal)
+    fails to write or run it."""
+    text = ('<tool_call>{"name": "write_file", "arguments": {"path": "a' + surrogate
+            + '.txt", "content": "x' + surrogate + 'y"}}</tool_call>')
+    call = parse_tool_call(text, TOOLS)
+    assert call == ToolCall("write_file", {"path": "a\ufffd.txt", "content": "x\ufffdy"})
+    json.dumps(call.arguments).encode("utf-8")  # encodable, the surrogate gone
+
+
+def test_arguments_nested_too_deep_are_a_message() -> None:
+    deep = '{"a": ' * 70 + "1" + "}" * 70
+    text = '<tool_call>{"name": "run", "arguments": {"command": "ls", "x": ' + deep + "}}"
+    result = parse_tool_call(text + "</tool_call>", TOOLS)
+    assert isinstance(result, ToolCallError) and "nests deeper" in result.message
