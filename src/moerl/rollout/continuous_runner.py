@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from moerl.rollout.continuous_decode import ContinuousDecoder
 from moerl.rollout.sampling import RowSampling
 from moerl.rollout.static_decode import DecodeRow
 from moerl.rollout.types import GenerationRequest, Sample
@@ -31,6 +30,23 @@ if TYPE_CHECKING:
 RowKey = tuple[int, int, int]  # (job, request in the job, sample of the request)
 Assignment = tuple[int, int, int, GenerationRequest]  # (replica, job, request, the request)
 Done = Callable[[list[list[Sample]]], None]
+
+
+class StepDecoder(Protocol):
+    """What the runner drives: the continuous decoder, or Megatron's dynamic engine."""
+
+    def add(self, rows: list[DecodeRow]) -> None: ...
+
+    def step(self, forward_anyway: bool = False) -> list[DecodeRow]:
+        """One forward (a stand-in one with nothing to run if `forward_anyway`); the rows
+        that finished in it."""
+        ...
+
+    def has_work(self) -> bool: ...
+
+    def drop_all(self) -> list[DecodeRow]: ...
+
+    def forget_prefixes(self) -> None: ...
 
 
 @dataclass
@@ -49,15 +65,16 @@ class Report:
 
 
 class ContinuousRunner:
-    """Drives a `ContinuousDecoder`; the leader also hands out requests and collects samples."""
+    """Drives a `StepDecoder`; the leader also hands out requests and collects samples."""
 
-    def __init__(self, decoder: ContinuousDecoder, make_sample: Callable[[DecodeRow], Sample],
+    def __init__(self, decoder: StepDecoder, make_sample: Callable[[DecodeRow], Sample],
                  ranks: RolloutRanks | None = None) -> None:
         self.decoder = decoder
         self.make_sample = make_sample
         self.ranks = ranks
         replicas = ranks.replicas if ranks is not None else 1
         self.load = [0] * replicas  # leader: tokens of work queued per replica
+        self.served = [0] * replicas  # leader: rows handed to each replica so far
         self._jobs: dict[int, _Job] = {}
         self._next_job = 0
         self._assigned: list[Assignment] = []
@@ -77,6 +94,7 @@ class ContinuousRunner:
             replica = min(range(len(self.load)), key=self.load.__getitem__)
             work = len(request.prompt_token_ids) + request.sampling.max_tokens  # per sample
             self.load[replica] += work * request.sampling.n
+            self.served[replica] += request.sampling.n
             for sample in range(request.sampling.n):
                 self._work[(job, index, sample)] = (replica, work)
             self._assigned.append((replica, job, index, request))

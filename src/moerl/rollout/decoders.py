@@ -30,6 +30,15 @@ def _continuous_unavailable(model: GPTModel) -> str | None:
     return None
 
 
+def wants_dynamic(options: EngineOptions, pipeline_stages: int = 1) -> bool:
+    """Whether `options` will run Megatron's dynamic engine here (asked before the model
+    is built: its CUDA graphs need the model built for them)."""
+    if options.speculative.enabled or options.partial_rollouts or pipeline_stages > 1:
+        return False
+    return options.backend == "dynamic" or (options.backend == "auto"
+                                            and dynamic_missing() is None)
+
+
 def resolve_backend(options: EngineOptions, model: GPTModel, across_ranks: bool) -> Resolved:
     """The decoder for `options.backend` on this model and machine; a clear error for a
     combination that cannot run."""
@@ -43,10 +52,9 @@ def resolve_backend(options: EngineOptions, model: GPTModel, across_ranks: bool)
     why_not = _continuous_unavailable(model)
     if requested == "auto":
         missing = dynamic_missing()
-        if missing is None and not across_ranks and not options.partial_rollouts:
+        if missing is None and not options.partial_rollouts and model.pre_process \
+                and model.post_process:
             return "dynamic"
-        if across_ranks:
-            return "static"
         if why_not is None:
             log.info("rollout backend: continuous batching (dynamic engine: %s)", missing)
             return "continuous"
@@ -54,9 +62,9 @@ def resolve_backend(options: EngineOptions, model: GPTModel, across_ranks: bool)
         return "static"
     if requested == "continuous" and why_not is not None:
         raise ValueError(why_not)
-    if requested == "dynamic" and (across_ranks or options.partial_rollouts):
-        raise ValueError("the dynamic backend serves one rank without partial rollouts; "
-                         "use backend='continuous' (or auto)")
+    if requested == "dynamic" and options.partial_rollouts:
+        raise ValueError("the dynamic backend takes weight updates between generations "
+                         "only; partial rollouts run on backend='continuous'")
     if requested == "static" and options.partial_rollouts and across_ranks:
         raise ValueError("partial rollouts across ranks run on the continuous backend; "
                          "set backend='continuous' (or auto)")

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
@@ -29,8 +29,9 @@ from megatron.core.models.gpt import GPTModel
 from moerl.data.tokenizer import Tokenizer
 from moerl.models.arch import MoEArch
 from moerl.models.precision import PrecisionConfig
+from moerl.rollout.continuous_decode import ContinuousDecoder
 from moerl.rollout.continuous_runner import ContinuousRunner
-from moerl.rollout.decoders import build_continuous, resolve_backend
+from moerl.rollout.decoders import build_continuous, resolve_backend, wants_dynamic
 from moerl.rollout.dynamic_decode import DynamicDecoder
 from moerl.rollout.engine_weights import EngineBroken, WeightUpdates
 from moerl.rollout.options import STATIC_BATCH, Backend, EngineOptions
@@ -89,25 +90,31 @@ class MegatronEngine(WeightUpdates):
         scheduler runs the weight updates waiting for it)."""
         self.broken: str | None = None
         self.backend = resolve_backend(self.options, model, self.ranks is not None)
-        self.runner: ContinuousRunner | None = None
+        self.runner: ContinuousRunner | None = None  # continuous and dynamic backends
+        self.continuous: ContinuousDecoder | None = None  # the continuous backend's decoder
         self.capture: RoutingCapture | None = None  # the routed experts, where captured
         self._decoder = self._make_decoder()
         model.eval()
 
-    def _make_decoder(self) -> StaticDecoder | DynamicDecoder | SpeculativeDecoder | None:
+    def _make_decoder(self) -> StaticDecoder | SpeculativeDecoder | None:
         model, tokenizer, options = self.model, self.tokenizer, self.options
         eos = tokenizer.eos_id
         if options.speculative.enabled:
             return SpeculativeDecoder(model, eos, tokenizer.decode, options.speculative)
         if self.backend == "dynamic":
-            return DynamicDecoder(model, eos, tokenizer.decode, tokenizer.encode,
-                                  options.max_batch or 256, self.max_sequence_length,
-                                  options.logprob_mode)
+            dynamic = DynamicDecoder(model, eos, tokenizer.decode, tokenizer.encode,
+                                     options.max_batch or 256, self.max_sequence_length,
+                                     options.logprob_mode, cuda_graphs=options.cuda_graphs,
+                                     prefill_chunk=options.prefill_chunk)
+            dynamic.version = lambda: self._version
+            self.runner = ContinuousRunner(dynamic, self._sample, self.ranks)
+            return None
         self.capture = RoutingCapture(model)
         if self.backend == "continuous":
             agree = self.ranks.agree_in_replica if self.ranks is not None else None
             decoder = build_continuous(model, eos, tokenizer.decode, options, self.capture, agree)
             decoder.version = lambda: self._version
+            self.continuous = decoder
             self.runner = ContinuousRunner(decoder, self._sample, self.ranks)
             return None
         if options.partial_rollouts and self.ranks is not None:
@@ -133,8 +140,8 @@ class MegatronEngine(WeightUpdates):
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model's context of {self.max_sequence_length} tokens"
             )
-        if self.runner is not None:
-            cache = self.runner.decoder.blocks.cache
+        if self.continuous is not None:
+            cache = self.continuous.blocks.cache
             if len(prompt) + params.max_tokens > cache.token_capacity:
                 raise RequestError(
                     f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -195,10 +202,21 @@ class MegatronEngine(WeightUpdates):
         return self.runner is not None and self.runner.busy()
 
     def step(self) -> None:
-        """One step of every running sequence (on every rank)."""
+        """One step of every running sequence (on every rank).
+
+        Across ranks a leader whose step fails cannot bring the other ranks back in step
+        (they wait in the step's collectives): it ends the job, as a failing follower does
+        (`ranks.follow`), and torchrun stops the rest."""
         assert self.runner is not None
         with self.lock:
-            self.runner.step()
+            if self.ranks is None:
+                self.runner.step()
+                return
+            try:
+                self.runner.step()
+            except Exception:
+                log.exception("a step failed on the leader; ending the server")
+                os._exit(1)
 
     def abandon(self) -> None:
         """Drop every sequence in flight (after a failed step)."""
@@ -286,9 +304,14 @@ def build_engine(preset: str | MoEArch, tokenizer: Tokenizer, *,
     groups = init_parallel(layout, seed=seed)
     ranks = RolloutRanks() if dist.get_world_size() > 1 else None
     # On a GPU the model runs in bf16 by default (as the trainer does): the dynamic
-    # engine's flash attention takes fp16/bf16 only. CPU keeps fp32.
+    # engine's flash attention takes fp16/bf16 only. CPU keeps fp32. The dynamic engine
+    # captures CUDA graphs of layers built for them (the weights are the same).
+    options = options or EngineOptions()
+    overrides: dict[str, Any] = {}
+    if wants_dynamic(options, pp) and options.cuda_graphs > 0:
+        overrides["cuda_graph_impl"] = "local"
     (model,) = build_model(arch, layout, precision=resolve_precision(precision),
-                           backend=groups.backend)
+                           backend=groups.backend, **overrides)
     if weights is not None:
         load_weights([model], weights)
     return MegatronEngine(model, tokenizer, arch.max_position_embeddings, options,

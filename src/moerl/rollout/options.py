@@ -40,12 +40,13 @@ class EngineOptions:
     on a GPU). It decides how many sequences run at once."""
     block_size: int = 16  # continuous: tokens per KV cache block
     prefill_chunk: int = 2048
-    """Continuous: tokens per forward (decode tokens first, then prompt chunks)."""
+    """Continuous and dynamic: tokens per forward (decode tokens first, then prompt chunks)."""
+    cuda_graphs: int = 16  # dynamic: CUDA graphs captured (Megatron's num_cuda_graphs; 0: none)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: one of {BACKENDS}, got {self.backend!r}")
-        for name in ("max_batch", "kv_cache_gb"):
+        for name in ("max_batch", "kv_cache_gb", "cuda_graphs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0 (0: sized for you)")
         for name in ("block_size", "prefill_chunk"):

@@ -128,8 +128,10 @@ def create_app(state: ServerState) -> FastAPI:
         reply = {"status": "ok", "weight_version": state.engine.weight_version,
                  "updating_to": pending[0] if pending else None,
                  "backend": state.engine.backend, "ranks": ranks}
-        if state.engine.runner is not None:
-            cache = state.engine.runner.decoder.blocks.cache
+        if state.engine.runner is not None:  # rows each attention replica was given
+            reply["replica_rows"] = list(state.engine.runner.served)
+        if state.engine.continuous is not None:
+            cache = state.engine.continuous.blocks.cache
             reply["kv_cache_tokens"] = cache.token_capacity
             reply["kv_bytes_per_token"] = cache.bytes_per_token
         return reply
@@ -213,6 +215,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="continuous: KV cache per rank (0: 1 GiB on a CPU, half the GPU's "
                         "free memory)")
     p.add_argument("--block-size", type=int, default=16, help="continuous: tokens per KV block")
+    p.add_argument("--cuda-graphs", type=int, default=16,
+                   help="dynamic: CUDA graphs Megatron's engine captures (0: none)")
     p.add_argument("--prefill-chunk", type=int, default=2048,
                    help="continuous: tokens per forward (prompts longer than this are read "
                         "in chunks)")
@@ -253,8 +257,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_batch < 0 or args.kv_cache_gb < 0:
         p.error("--max-batch and --kv-cache-gb must be >= 0 (0: sized from memory)")
-    if args.block_size < 1 or args.prefill_chunk < 1:
-        p.error("--block-size and --prefill-chunk must be >= 1")
+    if args.block_size < 1 or args.prefill_chunk < 1 or args.cuda_graphs < 0:
+        p.error("--block-size and --prefill-chunk must be >= 1, --cuda-graphs >= 0")
     if args.tp < 1 or args.ep < 1 or args.pp < 1:
         p.error("--tp, --ep and --pp must be >= 1")
     return args
@@ -292,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                                     adaptive=args.adaptive_drafts)
     options = EngineOptions(args.max_batch, args.backend, args.logprob_mode, speculative,
                             partial_rollouts=args.partial_rollouts, kv_cache_gb=args.kv_cache_gb,
-                            block_size=args.block_size, prefill_chunk=args.prefill_chunk)
+                            block_size=args.block_size, prefill_chunk=args.prefill_chunk,
+                            cuda_graphs=args.cuda_graphs)
     engine = build_engine(_arch(args), tokenizer, weights=args.weights, seed=args.seed,
                           options=options, precision=precision_of(args), tp=args.tp, ep=args.ep,
                           pp=args.pp)

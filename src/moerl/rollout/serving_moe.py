@@ -83,7 +83,9 @@ class ServingMoE:
                 end = start + count
                 outs.append(expert(tokens[start:end], weights[start:end]))
                 start = end
-        return torch.cat(outs) if len(outs) != 1 else outs[0] if outs else tokens[:0]
+        if not outs:  # no token reached this rank's experts
+            return tokens[:0]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _local(self, hidden: torch.Tensor, probs: torch.Tensor,
                routing_map: torch.Tensor) -> torch.Tensor:

@@ -46,10 +46,12 @@ def _cache(model: GPTModel, blocks: int, block_size: int) -> PagedKVCache:
                         block_size, torch.float32, "cpu")
 
 
-@pytest.mark.parametrize("kind", ["mla", "gqa"])
-def test_paged_forward_gives_the_models_logits(kind: str, model: GPTModel,
-                                               gqa_model: GPTModel) -> None:
-    net = model if kind == "mla" else gqa_model
+@pytest.mark.parametrize("kind", ["mla", "gqa", "mla_sliced", "gqa_sliced"])
+def test_paged_forward_gives_the_models_logits(kind: str, model: GPTModel, gqa_model: GPTModel,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    net = model if kind.startswith("mla") else gqa_model
+    if kind.endswith("sliced"):  # queries of a chunk in runs of a few positions
+        monkeypatch.setattr("moerl.rollout.paged_attention._SCORES_LIMIT", 500)
     cache = _cache(net, 64, 4)
     serving = ServingModel(net, cache)
     table = torch.zeros(3, 16, dtype=torch.long)
@@ -81,8 +83,8 @@ def test_paged_forward_gives_the_models_logits(kind: str, model: GPTModel,
 
 def test_cache_holds_mlas_latent_bytes_per_token(engine: MegatronEngine,
                                                  gqa_model: GPTModel) -> None:
-    assert engine.backend == "continuous" and engine.runner is not None
-    cache = engine.runner.decoder.blocks.cache
+    assert engine.backend == "continuous" and engine.continuous is not None
+    cache = engine.continuous.blocks.cache
     latent = TINY.num_layers * (TINY.kv_lora_rank + TINY.qk_pos_emb_head_dim) * 4  # fp32
     assert cache.bytes_per_token == latent == kv_bytes_per_token(TINY, torch.float32)
     per_head = TINY.num_layers * TINY.num_attention_heads * (
@@ -117,8 +119,8 @@ def test_chunks_small_blocks_and_preemption_keep_greedy_tokens(model: GPTModel) 
 def _counted(engine: MegatronEngine, requests: list[GenerationRequest]
              ) -> tuple[list[list[Sample]], tuple[int, int]]:
     """The samples, and the forwards that read prompt tokens and those tokens."""
-    assert engine.runner is not None
-    decoder = engine.runner.decoder
+    decoder = engine.continuous
+    assert decoder is not None
     before = (decoder.prefill_forwards, decoder.prefill_tokens)
     groups = engine.generate(requests)
     return groups, (decoder.prefill_forwards - before[0], decoder.prefill_tokens - before[1])

@@ -26,6 +26,7 @@ class SlowLoadEngine(FakeEngine):
     broken: str | None = None
     ranks = None  # one process
     runner = None  # the static backend
+    continuous = None
 
     def check(self, request: GenerationRequest) -> None:
         pass
