@@ -42,7 +42,8 @@ class RolloutStageConfig:
     num_draft_tokens: int = 4
     # With rl.mode=async: a weight update lands between two decode steps of the running
     # batch instead of after it; every token records the version that sampled it, and
-    # the trainer masks tokens past rl.max_staleness (moerl engine, one-rank servers).
+    # the trainer masks tokens past rl.max_staleness (moerl engine: continuous backend, or
+    # static on one rank).
     partial_rollouts: bool = False
     engine: str = "moerl"  # moerl | vllm | sglang (see rl.rollout.backends)
     # vllm / sglang only: they serve Hugging Face weights (`moerl hf export`).
