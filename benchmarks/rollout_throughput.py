@@ -21,7 +21,8 @@ generated tokens over the wall time of the whole load.
    one-prompt requests: continuous against static.
 3. dp attention: the mixed load (--ep-mixed prompts) on a one-rank continuous server
    and on two ranks of `--ep 2` (each rank its own requests and KV cache, experts split),
-   plus the same prompts greedy on both, whose tokens must be equal.
+   plus the same prompts greedy on both, whose tokens must be equal (every server
+   then loads one published copy of the weights).
 """
 
 from __future__ import annotations
@@ -273,6 +274,25 @@ def _arch_file(directory: Path) -> tuple[Path, Any]:
     return path, arch
 
 
+def _publish(arch_path: Path, directory: Path, threads: int) -> Path:
+    """The model of `arch_path` (seed SEED) saved as the trainer publishes weights: a
+    server's random init depends on its layout (an EP rank draws its own experts), so
+    one-rank and EP2 servers must load the same published weights to be compared."""
+    code = (
+        "import json, sys; from moerl.models.arch import MoEArch; from moerl.models.build "
+        "import build_model; from moerl.models.weights import save_weights; from moerl."
+        "parallel.groups import init_parallel; from moerl.parallel.layout import "
+        "ParallelLayout; from moerl.typed_config import from_dict; "
+        "arch = from_dict(MoEArch, json.loads(open(sys.argv[1]).read()), 'model'); "
+        f"init_parallel(ParallelLayout(), seed={SEED}); "
+        "save_weights(build_model(arch, ParallelLayout()), sys.argv[2])"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    subprocess.run([sys.executable, "-c", code, str(arch_path), str(directory)], env=env,
+                   check=True, capture_output=True, timeout=START_TIMEOUT_S)
+    return directory
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -280,11 +300,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         root = Path(tmp)
         arch_path, arch = _arch_file(root)
         servers: dict[str, Callable[[], str]] = {}
+        weights = (["--weights", str(_publish(arch_path, root / "weights", args.threads))]
+                   if args.ep_mixed else [])
 
         def start(name: str, flags: Sequence[str], ranks: int = 1,
                   threads: int = args.threads) -> None:
             servers[name] = stack.enter_context(rollout_server(
-                root / name, threads, arch_path, flags, ranks))
+                root / name, threads, arch_path, [*weights, *flags], ranks))
 
         start("continuous", ["--backend", "continuous"])
         start("static", ["--backend", "static", "--max-batch", "32"])
