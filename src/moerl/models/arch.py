@@ -162,7 +162,8 @@ class MoEArch:
 # (benchmarks/sft_sample_efficiency.py --task demo). Where answers copy multi-digit
 # numbers from the prompt (--task copy), neither it nor a Qwen3-MoE of its size
 # passes a held-out prompt after 63 steps of 32 rows, but the Qwen3-MoE starts
-# copying sooner (README, "SFT sample efficiency").
+# copying sooner: its per-head RMSNorms of queries and keys, which DeepSeek-V3's MLA
+# does not have, made the difference on one seed (README, "SFT sample efficiency").
 TINY = MoEArch(
     name="tiny",
     latent_norms=True,
