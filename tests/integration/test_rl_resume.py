@@ -6,7 +6,7 @@ warm-up, so the reference model (the policy after SFT) is not the initial one.
 The data are twelve one-line tasks, `def f(): return i  # <completion>`: a
 completion passes while it stays on the comment line, so the samples of a random
 policy get different rewards and, with dynamic sampling (whose state is part of
-what resumes), every RL step trains.
+what resumes; up to three rounds of generation a step), every RL step trains.
 
 On CPU with one thread per process every stage is deterministic (rollouts are
 seeded per step and sample), so a run killed after a checkpoint and resumed
@@ -36,7 +36,7 @@ STEPS = 4
 RUN = [
     "+experiment=demo", "sft.steps=2", "sft.global_batch=8", "sft.micro_batch=4",
     "rl.prompts_per_step=2", "rl.group_size=4", "rl.sampling.max_tokens=48",
-    "rl.dynamic_sampling=true", "rl.eval_interval=2",
+    "rl.dynamic_sampling=true", "rl.max_generation_rounds=3", "rl.eval_interval=2",
     "logger.wandb_mode=disabled", "logger.plot=false",
     "checkpoint.save_interval=2", "checkpoint.keep_last=0",
 ]  # fmt: skip
