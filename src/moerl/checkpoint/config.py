@@ -32,6 +32,11 @@ class CheckpointConfig:
     async_save: bool = False
     """Write tensors in a background process while training goes on (megatron-core's
     own async writer); the checkpoint becomes `latest` once every rank has finished."""
+    optimizer_format: str = "dp_reshardable"
+    """How the distributed optimizer's state is saved: "dp_reshardable" (each rank
+    writes its own shard as it holds it; a resume may change DP and CP only) or
+    "fully_reshardable" (each state in its parameter's shape, gathered per parameter
+    at save time; a resume may also change TP, PP and EP>1). `checkpoint.sharded`."""
     resume: str = "auto"
     """"auto": continue from `latest` if there is one; "none": start fresh; else a
     checkpoint directory to start from."""
@@ -51,6 +56,9 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.keep_last: must be >= 0, got {self.keep_last}")
         if not self.resume:
             raise ValueError('checkpoint.resume: "auto", "none" or a checkpoint directory')
+        if self.optimizer_format not in ("dp_reshardable", "fully_reshardable"):
+            raise ValueError(f"checkpoint.optimizer_format: {self.optimizer_format!r}; choose "
+                             "dp_reshardable (the default) or fully_reshardable")
 
     @property
     def enabled(self) -> bool:
