@@ -163,8 +163,16 @@ class ClusterConfig:
     """shell lines run in the batch script before any step (module load, ...)."""
     grace_s: int = 30
     """seconds between SIGTERM and SIGKILL when the job's steps are stopped."""
+    # The cluster's size, which a job's nodes must fit (`moerl rehearse` checks a
+    # recipe's trainer + rollout nodes and its reward + environment nodes against it).
+    gpu_nodes: int | None = None
+    """GPU nodes the partitions hold; None: not checked."""
+    cpu_nodes: int | None = None
+    """CPU nodes of the reward partition; None: not checked."""
 
     def __post_init__(self) -> None:
+        if min(self.gpu_nodes or 1, self.cpu_nodes or 1) < 1:
+            raise ValueError("cluster.gpu_nodes and cluster.cpu_nodes: >= 1, or null")
         for name in ("rollout_port", "reward_port", "environment_port", "master_port",
                      "rollout_master_port"):
             if not 0 < getattr(self, name) < 65536:

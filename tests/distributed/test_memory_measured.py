@@ -1,11 +1,14 @@
-"""The memory model against what Megatron actually allocates, per rank, on CPU.
+"""The memory model and the rehearsal against what Megatron actually allocates, per rank.
 
 For the `tiny` preset under several layouts, `memory_worker.py` builds the model
 and optimizer, takes one step of one micro-batch and counts bytes per rank. The
 memory model, given the same settings (fp32 on CPU, the local layer spec, no
 recompute, one micro-batch in flight), must predict weights, main gradients,
 fp32 master copies and Adam states exactly, and the saved activations (layers,
-MTP, head and logits of one micro-batch) within 15%.
+MTP, head and logits of one micro-batch) within 15%. The rehearsal
+(`rehearse_worker.py`: every rank built on a fake process group of the job's size,
+on tensors without memory, by the same builder) must count exactly what was
+measured, term by term, DDP's padding included.
 
 The model is built with the latent norms (`qk_layernorm`) that DeepSeek-V3 and
 Kimi-K2 have and that the parameter counts include.
@@ -29,6 +32,7 @@ from moerl.parallel.layout import ParallelLayout
 from moerl.planning.memory import RunSettings, rank_memory
 
 WORKER = Path(__file__).with_name("memory_worker.py")
+REHEARSE = Path(__file__).with_name("rehearse_worker.py")
 SEQ_LENGTH, MICRO_BATCH = 64, 2
 ACTIVATION_TOLERANCE = 0.15
 STATIC = ("weights", "main_grads", "master_weights", "adam_states")
@@ -51,21 +55,31 @@ def _launch(ranks: int, layout: dict[str, Any], out: Path) -> subprocess.Popen[s
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    """Every layout measured at once: the runs are mostly start-up, which overlaps."""
+def runs(tmp_path_factory: pytest.TempPathFactory
+         ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[dict[str, Any]]]]:
+    """Every layout measured, and rehearsed, at once: the runs are mostly start-up,
+    which overlaps. (measured, rehearsed), each name -> one dict per rank."""
     root = tmp_path_factory.mktemp("memory")
+    rehearse = subprocess.Popen(
+        [sys.executable, str(REHEARSE), "--out", str(root / "rehearsed.json"), "--layouts",
+         json.dumps(LAYOUTS)], cwd=REHEARSE.parent, env=worker_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     procs = {name: _launch(ranks, degrees, root / name)
              for name, (ranks, degrees) in LAYOUTS.items()}
-    results = {}
-    for name, proc in procs.items():
+    for name, proc in [*procs.items(), ("rehearsal", rehearse)]:
         output, _ = proc.communicate(timeout=600)
         if proc.returncode != 0:
             tail = "\n".join(output.splitlines()[-40:])
             pytest.fail(f"{name} failed:\n{tail}")
-        ranks = LAYOUTS[name][0]
-        results[name] = [json.loads((root / name / f"rank{r}.json").read_text())
-                         for r in range(ranks)]
-    return results
+    measured = {name: [json.loads((root / name / f"rank{r}.json").read_text())
+                       for r in range(ranks)] for name, (ranks, _) in LAYOUTS.items()}
+    return measured, json.loads((root / "rehearsed.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def measured(runs: tuple[dict[str, list[dict[str, Any]]], dict[str, list[dict[str, Any]]]]
+             ) -> dict[str, list[dict[str, Any]]]:
+    return runs[0]
 
 
 def predict(layout: ParallelLayout, pp_rank: int) -> dict[str, float]:
@@ -98,3 +112,16 @@ def test_memory_model_matches_allocation(
         for key in STATIC:
             assert got[key] == want[key], (name, got["rank"], key, got[key], want[key])
         assert abs(ratio - 1) <= ACTIVATION_TOLERANCE, (name, got["rank"], ratio)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_rehearsal_counts_what_was_allocated(
+    name: str, runs: tuple[dict[str, list[dict[str, Any]]], dict[str, list[dict[str, Any]]]]
+) -> None:
+    measured, rehearsed = runs
+    keys = (*STATIC, "grad_buffer_padding")
+    for got, want in zip(rehearsed[name], measured[name], strict=True):
+        assert got["rank"] == want["rank"]
+        assert {k: got[k] for k in keys} == {k: want[k] for k in keys}, (name, got["rank"])
+        assert got["weights"] > 0 and got["adam_states"] > 0

@@ -49,18 +49,17 @@ def test_trainer_and_rollout_run_the_plan_the_recipe_names(stem: str) -> None:
     layout, sequence length, precision and recompute; the rollout servers compute in
     the trainer's precision; and the memory model, reading the composed run's fields,
     still finds the layout fits."""
-    from moerl.config import load_run_config
     from moerl.models.arch import get_preset
     from moerl.planning.cost import ClusterSpec
     from moerl.planning.plan import SearchSettings, check_layout, judge
     from moerl.planning.run_fields import settings_of_run
-    from moerl.rollout.server import _parse
+    from moerl.rollout.server import _parse, precision_of
 
     recipe = recipes.load_recipe(recipes.REPO / "configs" / "experiment" / f"{stem}.yaml")
     trainer, rollout, *_ = recipes.run_plan(recipe, recipes.SHARED / "runs" / stem).stages
     argv = list(trainer.command)
     overrides = [a for a in argv[argv.index("trainer") + 1:] if not a.startswith("run_dir=")]
-    cfg = load_run_config(overrides)
+    cfg = recipes.compose_here(overrides)  # init_weights is a directory on the cluster
     assert cfg.model == get_preset(recipe.model)
     assert cfg.seq_length == recipe.seq_length
     for key, value in recipe.parallel.items():
@@ -70,8 +69,7 @@ def test_trainer_and_rollout_run_the_plan_the_recipe_names(stem: str) -> None:
         recipe.run.precision, recipe.run.layer_spec, recipe.run.recompute)
     served = [a.format(host="h", port=1) for a in rollout.command]
     args = _parse(served[served.index("rollout") + 1:])
-    assert (args.transformer_impl, args.params_dtype, args.fp8) == (
-        cfg.precision.transformer_impl, cfg.precision.params_dtype, cfg.precision.fp8)
+    assert precision_of(args) == cfg.precision  # FP8 primary weights included
     run = dataclasses.replace(recipe.run, precision=planned.precision,
                               layer_spec=planned.layer_spec, recompute=planned.recompute)
     search = SearchSettings()
@@ -84,7 +82,9 @@ def test_trainer_and_rollout_run_the_plan_the_recipe_names(stem: str) -> None:
 def _shape(stem: str) -> list[str]:
     """The rendered script with what may differ between a recipe and its miniature
     taken out: names, the precision the site computes in, the pipeline's virtual
-    stages and uneven split (a toy model has neither), and every number."""
+    stages and uneven split (a toy model has neither), the settings of a run at scale
+    (its `train` block: imported weights, the model's tokenizer, batch sizes; a
+    miniature trains a fresh toy model on bytes) and every number."""
     from moerl.config import load_run_config
     from moerl.launchers.plan import rollout_precision_argv
     from moerl.planning.run_fields import run_overrides
@@ -95,6 +95,12 @@ def _shape(stem: str) -> list[str]:
     precision = load_run_config(overrides).precision
     for words in (" ".join(overrides), " ".join(rollout_precision_argv(precision))):
         text = text.replace(words, "PRECISION")
+    if recipe.train:
+        text = text.replace(" " + " ".join(recipes.train_overrides(recipe)), "")
+    # The rollout's tokenizer flags; a token's text is quoted inside the step's bash -c '...'.
+    quoted = r"'\"'\"'\S+?'\"'\"'"
+    text = re.sub(rf" --tokenizer \S+( --tokenizer-kind \w+)?( --[a-z-]+-token ({quoted}|\w+))*",
+                  "", text)
     for name in (recipes.script_name(stem), stem, recipe.model):
         text = text.replace(name, "NAME")
     text = re.sub(r" \S*parallel\.(vpp|stage_layers)=\S+", "", text)
@@ -110,7 +116,7 @@ def test_miniature_differs_from_its_recipe_only_in_sizes(mini: str) -> None:
 
 
 def test_engines_larger_than_a_node_span_whole_nodes() -> None:
-    """Kimi-K2's rollout engines of 32 GPUs (TP1, EP32): one torchrun across 4 nodes of
+    """Kimi-K2's rollout engines of 32 GPUs (TP8, EP32): one torchrun across 4 nodes of
     8 ranks each, 8 of them on the 32 rollout nodes; the trainer streams to them."""
     recipe = recipes.load_recipe(recipes.recipe_path("kimi_k2_h100"))
     _, rollout, *_ = recipes.run_plan(recipe, recipes.SHARED / "runs" / "k").stages
@@ -120,6 +126,7 @@ def test_engines_larger_than_a_node_span_whole_nodes() -> None:
     (line,) = [x for x in text.splitlines() if "serve rollout" in x]
     assert "REPLICA=$((SLURM_NODEID / 4))" in line and "--nnodes=4" in line
     assert "--node-rank=$((SLURM_NODEID % 4)) --nproc-per-node=8" in line
-    assert "--tp 1 --ep 32 --backend static" in line
+    assert "--max-batch 24 --tp 8 --ep 32 --backend static" in line
+    assert "--fp8 tensorwise --fp8-param --tokenizer /shared/moerl/weights/kimi-k2" in line
     assert "rl.weight_sync=memory" in text and "rollout.expert_parallel=32" in text
     assert "moerl_wait_announced rollout 8" in text

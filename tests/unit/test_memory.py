@@ -49,11 +49,38 @@ def test_shards_over_all_ranks_add_up_to_the_model(arch: MoEArch, layout: Parall
 
 def test_weight_and_grad_bytes_are_params_times_width() -> None:
     layout = ParallelLayout(tp=2, pp=2, ep=4, dp=4)
-    for precision, width in (("bf16", 2), ("fp8", 1)):
-        run = RunSettings(precision=precision)  # type: ignore[arg-type]
-        m = rank_memory(DEEPSEEK_V3, layout, run, rank=1)
-        assert m.terms["weights"] == pytest.approx(m.params * width)
-        assert m.terms["main_grads"] == pytest.approx(m.params * 4)
+    bf16 = rank_memory(DEEPSEEK_V3, layout, RunSettings(precision="bf16"), rank=1)
+    assert bf16.terms["weights"] == pytest.approx(bf16.params * 2)
+    assert bf16.terms["main_grads"] == pytest.approx(bf16.params * 4)
+    # FP8 primary weights: one byte for the linear layers; the output head (vocab/tp x h,
+    # and MTP's copy of the embedding at pp > 1), norms and routers stay in bf16.
+    fp8 = rank_memory(DEEPSEEK_V3, layout, RunSettings(precision="fp8"), rank=1)
+    split = stage_params(DEEPSEEK_V3, layout, 1)
+    wide = 2 * DEEPSEEK_V3.vocab_size * DEEPSEEK_V3.hidden_size / 2 + split.high_precision
+    assert fp8.terms["weights"] == pytest.approx(fp8.params + wide)
+    assert 0 < split.high_precision < 0.01 * split.total
+    assert fp8.terms["main_grads"] == pytest.approx(fp8.params * 4)
+
+
+def test_reference_and_critic_terms() -> None:
+    """The reference holds the policy's weights again; the critic is the policy's trunk
+    with a (1, h) head for the output layer and no MTP, with gradients and optimizer."""
+    layout = ParallelLayout(tp=2, pp=2, ep=4, dp=4)
+    run = RunSettings(precision="bf16", critic=True)
+    first, last = (rank_memory(DEEPSEEK_V3, layout, run, rank=r) for r in (0, 1))
+    for m in (first, last):
+        assert m.terms["reference_weights"] == m.terms["weights"]
+    # First stage: the same layers and embedding as the policy's.
+    assert first.terms["critic_weights"] == first.terms["weights"]
+    assert first.terms["critic_adam_states"] == first.terms["adam_states"]
+    # Last stage: no MTP layer, no output layer nor MTP's embedding copy, plus the head.
+    h, v = DEEPSEEK_V3.hidden_size, DEEPSEEK_V3.vocab_size
+    mtp = stage_params(DEEPSEEK_V3, layout, 1).total - stage_params(
+        dataclasses.replace(DEEPSEEK_V3, mtp_num_layers=0), layout, 1).total
+    assert last.params - (last.terms["critic_weights"] / 2) == pytest.approx(
+        mtp + 2 * v * h / 2 - (h + 1))
+    off = rank_memory(DEEPSEEK_V3, layout, RunSettings(reference=False), rank=0)
+    assert off.terms["reference_weights"] == 0 and "critic_weights" not in off.terms
 
 
 def test_deepseek_v3_expert_weights_per_gpu_by_hand() -> None:

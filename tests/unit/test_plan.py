@@ -14,6 +14,7 @@ from moerl.planning.memory import GiB, RunSettings
 from moerl.planning.plan import Candidate, SearchSettings, check_layout, judge, plan
 from moerl.planning.report import load_plan_config
 from moerl.planning.rollout_fit import RolloutSettings, rollout_options
+from moerl.rollout.kv_layout import kv_bytes_per_token_layer
 from moerl.typed_config import ConfigError
 
 SEARCH = SearchSettings()
@@ -134,10 +135,27 @@ def test_stage_imbalance_counts_the_output_head() -> None:
 
 
 def test_rollout_engines_for_kimi_k2() -> None:
-    options = rollout_options(KIMI_K2, RolloutSettings(nodes=32), 8, 80.0)
-    assert options[0].fits and options[0].replicas * options[0].gpus <= 256
+    settings = RolloutSettings(nodes=32, concurrent_sequences=192, context_length=4096)
+    options = rollout_options(KIMI_K2, settings, 8, 80.0, kv_bytes_per_token_layer)
+    best = options[0]
+    assert best.fits and best.replicas * best.gpus <= 256
+    assert (best.tp, best.ep, best.replicas, best.needed_rows) == (8, 32, 8, 24)
     one_node = [o for o in options if o.gpus == 8]
     assert one_node and not any(o.fits for o in one_node)  # 1T fp8 weights > 8 x 80 GB
+    # The engine caches per-head keys and values: 2.5 MB a token at TP1, so a TP1 engine
+    # holds two 4096-token rows beside its 42.8 GiB of FP8 weights (43.4B parameters).
+    assert kv_bytes_per_token_layer(KIMI_K2, 1) * 61 == 64 * (192 + 128) * 2 * 61
+    tp1 = next(o for o in options if (o.tp, o.ep) == (1, 32))
+    assert not tp1.fits and tp1.rows == 2 and tp1.weights_gb == pytest.approx(42.8, abs=0.05)
+
+
+def test_bf16_rollout_weights_do_not_fit_tp1_ep32() -> None:
+    """Serving Kimi-K2 at bf16 over 32 GPUs: 43.4B parameters a GPU, 80.9 GiB."""
+    bf16 = RolloutSettings(nodes=32, concurrent_sequences=8, context_length=4096,
+                           weight_dtype="bf16")
+    tp1 = next(o for o in rollout_options(KIMI_K2, bf16, 8, 80.0, kv_bytes_per_token_layer)
+               if (o.tp, o.ep) == (1, 32))
+    assert tp1.weights_gb == pytest.approx(80.9, abs=0.05) and not tp1.fits and tp1.rows == 0
 
 
 def test_overrides_parse_and_unknown_keys_are_named() -> None:
@@ -152,11 +170,19 @@ def test_overrides_parse_and_unknown_keys_are_named() -> None:
 
 
 def test_cli_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "model=tiny", "cluster.nodes=1", "run.seq_length=512",
-                 "run.global_batch_size=32", "--json"]) == 0
+    assert main(["plan", "model=tiny", "cluster.nodes=2", "rollout.nodes=1",
+                 "run.seq_length=512", "run.global_batch_size=32", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fitting"] > 0 and out["best"][0]["fits"]
     assert set(out["best"][0]["memory_gib"]) >= {"weights", "main_grads", "activations", "total"}
+
+
+def test_the_jobs_gpu_nodes_are_trainer_plus_rollout() -> None:
+    config = load_plan_config(["cluster.nodes=160", "rollout.nodes=32"])
+    assert config.trainer_cluster().nodes == 128 and config.trainer_cluster().world_size == 1024
+    with pytest.raises(ConfigError, match=r"cluster\.nodes=32: the rollout engines take "
+                                          r"rollout\.nodes=32"):
+        load_plan_config(["cluster.nodes=32", "rollout.nodes=32"])
 
 
 def test_cli_plan_unknown_key_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -52,5 +52,6 @@ def test_recipe_is_what_the_planner_writes(stem: str, tmp_path: Path,
 def test_no_recipe_is_written_when_nothing_fits(tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     target = tmp_path / "r.yaml"
-    assert plan_main(["model=kimi-k2", "cluster.nodes=1"], as_json=False, recipe=target) == 1
+    assert plan_main(["model=kimi-k2", "cluster.nodes=2", "rollout.nodes=1"], as_json=False,
+                     recipe=target) == 1
     assert not target.exists()

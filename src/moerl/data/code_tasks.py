@@ -13,6 +13,13 @@ constant), the way real demonstration sets are noisy. A demonstrator can also er
 systematically (`Confusion`: "times" written as + more often than not), so that the
 supervised model's most likely answer is wrong while the right one is still among
 its samples. RL on the execution reward then has something to fix.
+
+Held-out tasks (`make_tasks(..., held_out=True)`) are named from their own pool of
+function names, none of which a training task uses: every prompt starts
+`def <name>(`, so no held-out prompt's text occurs among the training prompts (the
+SFT rows and RL prompts) for any seed or size, while the skill a held-out task tests,
+reading the operator word and writing it with the argument and the constant, is the
+training tasks' own (the same operators, argument names and constants).
 """
 
 from __future__ import annotations
@@ -24,7 +31,15 @@ from dataclasses import dataclass
 OPERATOR_WORDS = {"plus": "+", "minus": "-", "times": "*"}
 _OPS = OPERATOR_WORDS
 _ARGS = ("n", "x", "a", "v", "k")
-_NAMES = ("f", "g", "h", "calc", "step", "apply", "compute", "value")
+TRAIN_NAMES = ("f", "g", "h", "calc", "step", "apply", "compute", "value",
+               "q", "t", "y", "get", "run", "make", "find", "work", "task", "rule", "form",
+               "go", "use", "pick", "turn", "walk")
+"""Many names, so that a model learns the name is not what decides the body: with the
+first eight only, the demo's SFT and RL model failed held-out tasks named `func` or
+`answer` that it solved under a training name."""
+HELD_OUT_NAMES = ("m", "p", "r", "func", "solve", "result", "answer", "output")
+"""Function names of held-out tasks only; like the training names, single letters and
+words that suggest no operator."""
 
 
 @dataclass(frozen=True)
@@ -43,12 +58,14 @@ def _expected(op: str, arg: int, const: int) -> int:
     return {"+": arg + const, "-": arg - const, "*": arg * const}[op]
 
 
-def make_task(rng: random.Random, uid: str, constants: Sequence[int] | None = None) -> CodeTask:
-    """One task; its constant from `constants` (digits; None: any of 0-9)."""
+def make_task(rng: random.Random, uid: str, constants: Sequence[int] | None = None,
+              names: Sequence[str] = TRAIN_NAMES) -> CodeTask:
+    """One task; its constant from `constants` (digits; None: any of 0-9), its function
+    name from `names`."""
     word, op = rng.choice(sorted(_OPS.items()))
     const = rng.randrange(10) if constants is None else rng.choice(constants)
     arg = rng.choice(_ARGS)
-    name = rng.choice(_NAMES)
+    name = rng.choice(names)
     prompt = f'def {name}({arg}):\n    """Return {arg} {word} {const}."""\n'
     reference = f"    return {arg} {op} {const}\n"
     inputs = rng.sample(range(-20, 21), 4)
@@ -59,10 +76,13 @@ def make_task(rng: random.Random, uid: str, constants: Sequence[int] | None = No
 
 
 def make_tasks(count: int, seed: int, prefix: str = "task",
-               constants: Sequence[int] | None = None) -> list[CodeTask]:
-    """`count` tasks drawn from `seed`; different seeds give independent sets."""
+               constants: Sequence[int] | None = None, *,
+               held_out: bool = False) -> list[CodeTask]:
+    """`count` tasks drawn from `seed`; different seeds give independent sets. With
+    `held_out`, named from HELD_OUT_NAMES: prompts no training task has."""
     rng = random.Random(seed)
-    return [make_task(rng, f"{prefix}-{seed}-{i}", constants) for i in range(count)]
+    names = HELD_OUT_NAMES if held_out else TRAIN_NAMES
+    return [make_task(rng, f"{prefix}-{seed}-{i}", constants, names) for i in range(count)]
 
 
 @dataclass(frozen=True)

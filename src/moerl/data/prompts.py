@@ -51,7 +51,7 @@ class DataConfig:
     path: str | None = None  # jsonl: one {"id", "prompt", "reward", "spec", "reference"?} a line
     eval_path: str | None = None
     train_size: int = 2000  # code_tasks: generated training prompts
-    eval_size: int = 64  # code_tasks: held-out prompts (a different seed)
+    eval_size: int = 64  # code_tasks: held-out prompts (another seed, function names of their own)
     seed: int = 0
     max_prompt_tokens: int = 256  # longer prompts are dropped (counted) or fail when strict
     strict: bool = False
@@ -100,8 +100,8 @@ class LoadReport:
 
 
 def _code_records(count: int, seed: int, prefix: str, sft_fraction: float,
-                  constants: list[int] | None,
-                  confusion: Confusion | None = None) -> list[PromptRecord]:
+                  constants: list[int] | None, confusion: Confusion | None = None,
+                  held_out: bool = False) -> list[PromptRecord]:
     rng = random.Random(seed + 7919)
     return [
         PromptRecord(
@@ -111,7 +111,7 @@ def _code_records(count: int, seed: int, prefix: str, sft_fraction: float,
             spec={"prompt": t.prompt, "test": t.tests, "entry_point": t.entry_point},
             reference=noisy_demonstration(t, rng, sft_fraction, confusion),
         )
-        for t in make_tasks(count, seed, prefix, constants)
+        for t in make_tasks(count, seed, prefix, constants, held_out=held_out)
     ]
 
 
@@ -189,7 +189,10 @@ def load_prompts(cfg: DataConfig, sources: Mapping[str, Any] | None = None,
     if cfg.source == "code_tasks":
         train = _code_records(cfg.train_size, cfg.seed, "train", cfg.sft_correct_fraction,
                               cfg.constants, cfg.confusion())
-        held_out = _code_records(cfg.eval_size, cfg.seed + 1_000_003, "eval", 1.0, cfg.constants)
+        # Another seed and function names no training task has (code_tasks.HELD_OUT_NAMES):
+        # no held-out prompt occurs among the SFT rows or RL prompts.
+        held_out = _code_records(cfg.eval_size, cfg.seed + 1_000_003, "eval", 1.0,
+                                 cfg.constants, held_out=True)
         return train, held_out, LoadReport(loaded=len(train))
     assert cfg.path is not None
     # Bytes are a safe upper bound of tokens for any tokenizer the project ships.

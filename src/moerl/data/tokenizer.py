@@ -1,7 +1,9 @@
-"""Tokenizers behind one protocol: a byte-level one the project ships, and a Hugging
-Face tokenizer directory on local disk (no hub access at run time): `tokenizer.json`,
-its `tokenizer_config.json` (special tokens, chat template) or `chat_template.jinja`.
-An imported checkpoint's weights directory holds copies of these (`moerl hf import`).
+"""Tokenizers behind one protocol: a byte-level one the project ships, a Hugging Face
+tokenizer directory on local disk (no hub access at run time): `tokenizer.json`, its
+`tokenizer_config.json` (special tokens, chat template) or `chat_template.jinja`, and a
+tiktoken BPE directory (`tiktoken.model` with that config: Kimi-K2's,
+`data.tiktoken_tokenizer`). An imported checkpoint's weights directory holds copies of
+these (`moerl hf import`).
 
 The `tokenizer` group (`TokenizerConfig`) picks one for every stage: the trainer, SFT,
 held-out evaluation and the rollout servers encode and stop with the same ids.
@@ -16,7 +18,7 @@ from typing import Any, Literal, Protocol
 
 # What a tokenizer directory may hold besides tokenizer.json; `moerl hf import` copies them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja")
+                   "chat_template.jinja", "tiktoken.model")
 
 
 class Tokenizer(Protocol):
@@ -91,48 +93,40 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
-def _token_text(value: Any) -> str | None:
+def token_text(value: Any) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
 
 
-class HFTokenizer:
-    """A Hugging Face fast tokenizer from a local directory (or its `tokenizer.json`).
+class DirectoryTokenizer:
+    """What the tokenizers read from a directory share: BOS/EOS/PAD and the chat template
+    come from `tokenizer_config.json` (or `chat_template.jinja`) unless given; generation
+    stops at EOS and at `end_of_turn_token` (e.g. Kimi-K2's `<|im_end|>`) when the
+    template ends turns with a token other than EOS. Subclasses map a token's text to
+    its id (`_token_id`) and encode and decode."""
 
-    BOS/EOS/PAD and the chat template come from `tokenizer_config.json` (or
-    `chat_template.jinja`) unless given; generation stops at EOS and at
-    `end_of_turn_token` (e.g. Kimi-K2's `<|im_end|>`) when the template ends turns
-    with a token other than EOS.
-    """
+    add_bos: bool = False
 
-    def __init__(self, path: str | Path, eos_token: str | None = None,
-                 pad_token: str | None = None, bos_token: str | None = None,
-                 end_of_turn_token: str | None = None, add_bos: bool | None = None,
-                 chat_template: str | None = None) -> None:
-        from tokenizers import Tokenizer as FastTokenizer
+    def _token_id(self, token: str, field_name: str) -> int:
+        raise NotImplementedError
 
-        given = Path(path)
-        file = given / "tokenizer.json" if given.is_dir() else given
-        if not file.is_file():
-            raise FileNotFoundError(f"tokenizer.path: no tokenizer.json at {file}")
-        folder = file.parent
-        config: dict[str, Any] = {}
-        if (folder / "tokenizer_config.json").is_file():
-            config = json.loads((folder / "tokenizer_config.json").read_text())
-        self._tok = FastTokenizer.from_file(str(file))
-        eos = eos_token or _token_text(config.get("eos_token"))
+    def _read_specials(self, folder: Path, config: dict[str, Any], *, eos_token: str | None,
+                       pad_token: str | None, bos_token: str | None,
+                       end_of_turn_token: str | None, add_bos: bool | None,
+                       chat_template: str | None, bos_by_default: bool) -> None:
+        eos = eos_token or token_text(config.get("eos_token"))
         if eos is None:
             raise ValueError(f"tokenizer.eos_token: {folder} names no EOS token "
                              "(tokenizer_config.json eos_token); set tokenizer.eos_token")
         self._eos = self._token_id(eos, "eos_token")
-        pad = pad_token or _token_text(config.get("pad_token"))
+        pad = pad_token or token_text(config.get("pad_token"))
         self._pad = self._token_id(pad, "pad_token") if pad else self._eos
-        bos = bos_token or _token_text(config.get("bos_token"))
+        bos = bos_token or token_text(config.get("bos_token"))
         self._bos = self._token_id(bos, "bos_token") if bos else None
         if add_bos is None:
-            add_bos = bool(config.get("add_bos_token", self._bos is not None))
+            add_bos = bool(config.get("add_bos_token", bos_by_default and self._bos is not None))
         self.add_bos = add_bos and self._bos is not None
         turn = self._token_id(end_of_turn_token, "end_of_turn_token") if end_of_turn_token else None
         self._stops = tuple(dict.fromkeys(i for i in (self._eos, turn) if i is not None))
@@ -143,16 +137,6 @@ class HFTokenizer:
             template = config["chat_template"]
         self._chat_template = template
         self._specials = {"bos_token": bos or "", "eos_token": eos, "pad_token": pad or eos}
-
-    def _token_id(self, token: str, field_name: str) -> int:
-        token_id = self._tok.token_to_id(token)
-        if token_id is None:
-            raise ValueError(f"tokenizer.{field_name}: {token!r} is not in the vocabulary")
-        return int(token_id)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self._tok.get_vocab_size(with_added_tokens=True))
 
     @property
     def eos_id(self) -> int:
@@ -177,6 +161,43 @@ class HFTokenizer:
     def special_text(self) -> dict[str, str]:
         return dict(self._specials)
 
+
+def read_tokenizer_config(folder: Path) -> dict[str, Any]:
+    """`tokenizer_config.json` of `folder`, or {} without one."""
+    path = folder / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+class HFTokenizer(DirectoryTokenizer):
+    """A Hugging Face fast tokenizer from a local directory (or its `tokenizer.json`);
+    BOS is prepended by default when the directory names one."""
+
+    def __init__(self, path: str | Path, eos_token: str | None = None,
+                 pad_token: str | None = None, bos_token: str | None = None,
+                 end_of_turn_token: str | None = None, add_bos: bool | None = None,
+                 chat_template: str | None = None) -> None:
+        from tokenizers import Tokenizer as FastTokenizer
+
+        given = Path(path)
+        file = given / "tokenizer.json" if given.is_dir() else given
+        if not file.is_file():
+            raise FileNotFoundError(f"tokenizer.path: no tokenizer.json at {file}")
+        self._tok = FastTokenizer.from_file(str(file))
+        self._read_specials(file.parent, read_tokenizer_config(file.parent),
+                            eos_token=eos_token, pad_token=pad_token, bos_token=bos_token,
+                            end_of_turn_token=end_of_turn_token, add_bos=add_bos,
+                            chat_template=chat_template, bos_by_default=True)
+
+    def _token_id(self, token: str, field_name: str) -> int:
+        token_id = self._tok.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"tokenizer.{field_name}: {token!r} is not in the vocabulary")
+        return int(token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
@@ -188,11 +209,11 @@ class HFTokenizer:
 class TokenizerConfig:
     """The `tokenizer` group: the ids every stage of a run encodes, decodes and stops with."""
 
-    kind: Literal["byte", "hf"] = "byte"
-    """byte: UTF-8 bytes (the tiny model); hf: a Hugging Face tokenizer directory."""
+    kind: Literal["byte", "hf", "tiktoken"] = "byte"
+    """byte: UTF-8 bytes (the tiny model); hf: a Hugging Face tokenizer directory;
+    tiktoken: a tiktoken BPE directory (tiktoken.model, tokenizer_config.json: Kimi-K2)."""
     path: str | None = None
-    """With hf: the directory (tokenizer.json, tokenizer_config.json), or an imported
-    checkpoint's weights directory."""
+    """With hf or tiktoken: the directory, or an imported checkpoint's weights directory."""
     eos_token: str | None = None
     """null: tokenizer_config.json's."""
     pad_token: str | None = None
@@ -203,11 +224,16 @@ class TokenizerConfig:
     """Prepend BOS to plain prompts; null: tokenizer_config.json's add_bos_token."""
     chat_template: str | None = None
     """A Jinja chat template replacing the directory's."""
+    pattern: str | None = None
+    """With tiktoken: the regex splitting text before BPE; null: Kimi-K2's."""
 
     def __post_init__(self) -> None:
-        if self.kind == "hf" and not self.path:
-            raise ValueError("tokenizer.path: tokenizer=hf needs the tokenizer's directory "
-                             "(tokenizer.json, tokenizer_config.json)")
+        if self.kind in ("hf", "tiktoken") and not self.path:
+            files = "tokenizer.json" if self.kind == "hf" else "tiktoken.model"
+            raise ValueError(f"tokenizer.path: tokenizer={self.kind} needs the tokenizer's "
+                             f"directory ({files}, tokenizer_config.json)")
+        if self.pattern is not None and self.kind != "tiktoken":
+            raise ValueError("tokenizer.pattern: only a tiktoken tokenizer splits by a pattern")
         if self.kind == "byte":
             for name in ("path", "eos_token", "pad_token", "bos_token", "end_of_turn_token",
                          "add_bos", "chat_template"):
@@ -222,6 +248,14 @@ def build_tokenizer(cfg: TokenizerConfig, model_vocab_size: int) -> Tokenizer:
     tok: Tokenizer
     if cfg.kind == "byte":
         tok = ByteTokenizer(model_vocab_size)
+    elif cfg.kind == "tiktoken":
+        from moerl.data.tiktoken_tokenizer import TiktokenTokenizer
+
+        assert cfg.path is not None
+        tok = TiktokenTokenizer(cfg.path, eos_token=cfg.eos_token, pad_token=cfg.pad_token,
+                                bos_token=cfg.bos_token, end_of_turn_token=cfg.end_of_turn_token,
+                                add_bos=cfg.add_bos, chat_template=cfg.chat_template,
+                                pattern=cfg.pattern)
     else:
         assert cfg.path is not None
         tok = HFTokenizer(cfg.path, eos_token=cfg.eos_token, pad_token=cfg.pad_token,

@@ -5,7 +5,8 @@
     moerl sft sft.pack=true sft.data_path=x.jsonl  supervised fine-tuning (torchrun-aware)
     moerl nemo +experiment=demo launcher=slurm  the run as nemo-run would submit it (dry run)
     moerl model-info model=kimi-k2 [--json]  parameters and training FLOPs per token
-    moerl plan model=kimi-k2 cluster.nodes=128 [--json]
+    moerl plan model=kimi-k2 cluster.nodes=160 rollout.nodes=32 [--json]
+    moerl rehearse +experiment=kimi_k2_h100  every distinct rank of a recipe at its real size
     moerl train-lm parallel.tp=2 ...         a language-model training run (torchrun-aware)
     moerl serve reward --port 8100           the reward server
     moerl hf import HF_DIR WEIGHTS_DIR       Hugging Face -> Megatron (and `hf export`)
@@ -66,6 +67,12 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from moerl.launchers.plan_cli import plan_main
 
     return plan_main(overrides, as_json=args.json, recipe=args.recipe)
+
+
+def _rehearse(args: argparse.Namespace, overrides: list[str]) -> int:
+    from moerl.launchers.rehearse import rehearse_main
+
+    return rehearse_main(overrides, only=args.only, busiest=args.busiest)
 
 
 def _train_lm(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -169,6 +176,15 @@ def _parser() -> argparse.ArgumentParser:
                       help="also write the best layout as a recipe "
                            "(configs/experiment/NAME.yaml; slurm/ via moerl.launchers.recipes)")
     plan.set_defaults(handler=_plan)
+    rehearse = sub.add_parser(
+        "rehearse", help="build every distinct rank of a recipe at its real size, on tensors "
+                         "that hold no memory, and check it against the plan and its GPU")
+    rehearse.add_argument("--only", choices=["trainer", "rollout"], default=None,
+                          help="rehearse one stage's ranks")
+    rehearse.add_argument("--busiest", action="store_true",
+                          help="of the trainer, only the pipeline stage the planner finds "
+                               "most loaded")
+    rehearse.set_defaults(handler=_rehearse)
     lm = sub.add_parser("train-lm", help="language-model training on the synthetic corpus")
     lm.set_defaults(handler=_train_lm)
     hf = sub.add_parser("hf", help="Hugging Face checkpoints <-> Megatron weights",

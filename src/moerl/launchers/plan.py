@@ -28,6 +28,8 @@ def rollout_tokenizer_argv(tokenizer: TokenizerConfig) -> list[str]:
         return []
     assert tokenizer.path is not None
     argv = ["--tokenizer", str(Path(tokenizer.path).resolve())]
+    if tokenizer.kind == "tiktoken":
+        argv += ["--tokenizer-kind", "tiktoken"]
     for flag, value in (("--eos-token", tokenizer.eos_token), ("--pad-token", tokenizer.pad_token),
                         ("--bos-token", tokenizer.bos_token),
                         ("--end-of-turn-token", tokenizer.end_of_turn_token)):
@@ -36,14 +38,17 @@ def rollout_tokenizer_argv(tokenizer: TokenizerConfig) -> list[str]:
 
 
 def rollout_precision_argv(precision: PrecisionConfig) -> list[str]:
-    """`moerl serve rollout` flags for the run's precision (inference: no recompute,
-    offloading or FP8 primary weights); the server's defaults (auto) are left out."""
+    """`moerl serve rollout` flags for the run's precision, FP8 primary weights included
+    (they halve the serving weights: Kimi-K2 at TP1/EP32 holds 43.4B parameters a GPU,
+    80.9 GiB in bf16); inference has no recompute or offloading. The server's defaults
+    (auto) are left out."""
     argv = []
     if precision.transformer_impl != "auto":
         argv += ["--transformer-impl", precision.transformer_impl]
     if precision.params_dtype != "auto":
         argv += ["--params-dtype", precision.params_dtype]
-    return argv + (["--fp8", precision.fp8] if precision.fp8 else [])
+    argv += ["--fp8", precision.fp8] if precision.fp8 else []
+    return argv + (["--fp8-param"] if precision.fp8_param else [])
 
 
 def reward_flags(plugins: dict[str, str]) -> list[str]:

@@ -4,11 +4,13 @@
     python -m moerl.launchers.recipes --write    regenerate slurm/<name>.sbatch
 
 A recipe (configs/experiment/kimi_k2_h100.yaml and the like) is the planner's
-output: cluster sizes, the chosen layout, run and rollout settings. It is not a
-`moerl train` config (its `run`/`rollout` keys are the planner's), so the stages are
-built here: the trainer on `cluster.trainer_nodes` x `gpus_per_node` GPUs (one
-torchrun rank per GPU) started with the `moerl train` overrides the recipe implies
-(model, layout, sizes, weights streamed to the rollout engines in memory); the
+output: cluster sizes, the chosen layout, run and rollout settings, and in its `train`
+block the run's own `moerl train` settings (init weights, tokenizer, RL batch sizes
+and lengths, sandboxes per CPU node). It is not a `moerl train` config (its
+`run`/`rollout` keys are the planner's), so the stages are built here: the trainer
+on `cluster.trainer_nodes` x `gpus_per_node` GPUs (one torchrun rank per GPU)
+started with the `moerl train` overrides the recipe implies (model, layout, sizes,
+weights streamed to the rollout engines in memory, the `train` block); the
 rollout engines with the planner's layout (`rollout.tp/ep`), each one
 `moerl serve rollout` under torchrun on its GPUs, across whole nodes when it is larger
 than one; the reward servers, and the environment servers of agent tasks, on CPU
@@ -34,9 +36,9 @@ from typing import Any
 
 import yaml
 
-from moerl.config import ClusterConfig, load_run_config
+from moerl.config import ClusterConfig, RunConfig, load_run_config
 from moerl.launchers.cluster import slurm_config, with_cluster_ports
-from moerl.launchers.plan import rollout_precision_argv
+from moerl.launchers.plan import rollout_precision_argv, rollout_tokenizer_argv
 from moerl.launchers.slurm import SlurmConfig, render_sbatch
 from moerl.launchers.stages import RunPlan, StageSpec
 from moerl.planning.memory import RunSettings
@@ -96,6 +98,11 @@ class Recipe:
     rollout_tp: int
     rollout_ep: int
     rollout_replicas: int
+    gpu_memory_gb: float = 80.0
+    rollout: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The planner's rollout section as written (engine shape, load, weight dtype)."""
+    train: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """`moerl train` keys of the run (the recipe's `train` block), applied last."""
 
     @property
     def engine_ranks(self) -> int:
@@ -109,7 +116,11 @@ class Recipe:
 
 
 def load_recipe(path: Path) -> Recipe:
-    data = yaml.safe_load(path.read_text())
+    return recipe_of(yaml.safe_load(path.read_text()), path)
+
+
+def recipe_of(data: dict[str, Any], path: Path) -> Recipe:
+    """The recipe in `data` (a recipe file's contents, read from `path`)."""
     try:
         model = next(
             d["override /model"]
@@ -123,11 +134,21 @@ def load_recipe(path: Path) -> Recipe:
             int(cluster.get("environment_nodes", 0)), int(cluster["gpus_per_node"]),
             dict(data["parallel"]), from_dict(RunSettings, data["run"], "run"),
             int(rollout["tp"]), int(rollout["ep"]), int(rollout["replicas"]),
+            float(cluster.get("gpu_memory_gb", 80)), dict(rollout), dict(data.get("train") or {}),
         )  # fmt: skip
     except (KeyError, StopIteration, TypeError) as err:
         raise ConfigError(f"{path}: not a planner recipe (missing {err})") from None
     _check_engines(recipe, path, int(rollout.get("engine_gpus", recipe.engine_ranks)))
     return recipe
+
+
+def train_overrides(recipe: Recipe) -> list[str]:
+    """The recipe's `train` block as `moerl train` overrides."""
+    def word(value: Any) -> str:
+        return "null" if value is None else str(value).lower() if isinstance(value, bool) \
+            else str(value)
+
+    return [f"{key}={word(value)}" for key, value in recipe.train.items()]
 
 
 def _check_engines(recipe: Recipe, path: Path, engine_gpus: int) -> None:
@@ -170,7 +191,19 @@ def trainer_overrides(recipe: Recipe, site: Site) -> list[str]:
     if envs:
         out += [f"environments.servers={envs}", f"environments.nodes={envs}",
                 f"environments.cpus={site.server_cpus}", "rl.task_source=agent"]
-    return out
+    return out + train_overrides(recipe)
+
+
+def compose_here(overrides: Sequence[str]) -> RunConfig:
+    """The run config of `overrides` composed on this machine: `init_weights` names a
+    directory on the cluster's filesystem, which the trainer checks where it starts;
+    nothing here reads it, so it is left out (`cfg.init_weights` keeps the name)."""
+    given = [o for o in overrides if o.startswith("init_weights=")]
+    cfg = load_run_config([o for o in overrides if not o.startswith("init_weights=")])
+    if given:
+        value = given[-1].split("=", 1)[1]
+        cfg.init_weights = None if value == "null" else value
+    return cfg
 
 
 def _cli(site: Site, *args: str) -> tuple[str, ...]:
@@ -183,7 +216,7 @@ def run_plan(recipe: Recipe, run_dir: Path, site: Site | None = None,
     site = site or h100_site()
     gpus = recipe.gpus_per_node
     overrides = [*trainer_overrides(recipe, site), *extra]
-    cfg = load_run_config(overrides)
+    cfg = compose_here(overrides)
     trainer = StageSpec(
         name="trainer",
         command=_cli(site, "trainer", *overrides, f"run_dir={run_dir}"),
@@ -197,8 +230,10 @@ def run_plan(recipe: Recipe, run_dir: Path, site: Site | None = None,
     rollout = StageSpec(
         name="rollout",
         command=_cli(site, "serve", "rollout", "--host", "{host}", "--port", "{port}",
-                     "--arch-file", str(run_dir / "arch.json"), *ranks.flags,
-                     *rollout_precision_argv(cfg.precision)),
+                     "--arch-file", str(run_dir / "arch.json"), "--max-batch",
+                     str(cfg.rollout.max_batch), *ranks.flags,
+                     *rollout_precision_argv(cfg.precision),
+                     *rollout_tokenizer_argv(cfg.tokenizer)),
         replicas=recipe.rollout_replicas, nodes=recipe.rollout_nodes,
         gpus_per_node=cfg.rollout.gpus_per_node,
         cpus=cfg.rollout.gpus_per_node * site.cpus_per_gpu, env={"OMP_NUM_THREADS": "1"},
@@ -206,8 +241,10 @@ def run_plan(recipe: Recipe, run_dir: Path, site: Site | None = None,
     )  # fmt: skip
     reward = StageSpec(
         name="reward",
-        command=_cli(site, "serve", "reward", "--host", "{host}", "--port", "{port}"),
-        replicas=recipe.reward_nodes, nodes=recipe.reward_nodes, cpus=site.server_cpus,
+        command=_cli(site, "serve", "reward", "--host", "{host}", "--port", "{port}",
+                     "--max-concurrency", str(cfg.rewards.max_concurrency),
+                     "--isolation", cfg.rewards.isolation),
+        replicas=recipe.reward_nodes, nodes=recipe.reward_nodes, cpus=cfg.rewards.cpus,
     )  # fmt: skip
     stages: tuple[StageSpec, ...] = (trainer, rollout, reward)
     if recipe.environment_nodes:
@@ -218,7 +255,7 @@ def run_plan(recipe: Recipe, run_dir: Path, site: Site | None = None,
                          "--idle-timeout", str(cfg.environments.idle_timeout_s),
                          "--isolation", cfg.environments.isolation),
             replicas=recipe.environment_nodes, nodes=recipe.environment_nodes,
-            cpus=site.server_cpus,
+            cpus=cfg.environments.cpus,
         ),)  # fmt: skip
     return RunPlan(stages, run_dir / "rendezvous", run_dir / "logs")
 

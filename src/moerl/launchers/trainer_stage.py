@@ -24,6 +24,7 @@ from moerl.data.tokenizer import Tokenizer, build_tokenizer
 from moerl.launchers.domain_report import check_reward_names, domain_plot, domain_table
 from moerl.launchers.plan import RunLayout
 from moerl.models.features import resolve_precision
+from moerl.models.precision import RecomputeConfig, ResolvedPrecision
 from moerl.models.weights import save_weights
 from moerl.observability import MetricsLogger, read_metrics
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
@@ -131,6 +132,33 @@ def trainer_main(cfg: RunConfig, dirs: RunLayout) -> int:
         destroy_parallel()
 
 
+def build_policy(cfg: RunConfig, groups: ParallelGroups, weights: str | Path | None,
+                 reference_weights: str | Path | None, precision: ResolvedPrecision,
+                 recompute: RecomputeConfig) -> Policy:
+    """The policy, its reference and, with `rl.advantage=gae`, PPO's critic: what every
+    trainer rank builds (also `moerl rehearse`, on a fake rank)."""
+    objective_cfg = from_dict(objective_config_class(cfg.rl.objective),
+                              cfg.rl.objective_args, "rl.objective_args")
+    policy = Policy.build(
+        cfg.model, cfg.parallel, cfg.optim, build_objective(cfg.rl.objective, objective_cfg),
+        groups, PolicyConfig(
+            token_budget=cfg.rl.token_budget, aux_losses=cfg.rl.aux_losses,
+            token_advantages=("reinforce_pp" if cfg.rl.advantage == "reinforce_pp" else
+                              "gae" if cfg.rl.advantage == "gae" else "none"),
+            kl_in_reward=cfg.rl.kl_in_reward, gae_gamma=cfg.rl.gae_gamma,
+            gae_lambda=cfg.rl.gae_lambda),
+        weights=weights, reference_weights=reference_weights,
+        precision=precision, recompute=recompute,
+    )
+    if cfg.rl.advantage == "gae":  # PPO's critic; a resume then loads it from the checkpoint
+        from moerl.rl.critic import Critic
+
+        policy.critic = Critic.build(
+            cfg.model, cfg.parallel, cfg.optim, groups, cfg.rl.critic, init_from=policy.chunks,
+            seed=cfg.rl.seed, precision=precision, recompute=recompute)
+    return policy
+
+
 def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSignal) -> bool:
     """True when a stop signal ended the run (checkpointed) before its last step."""
     tok = build_tokenizer(cfg.tokenizer, cfg.model.vocab_size)
@@ -143,26 +171,8 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
     resuming = ckpt is not None and ckpt.found() is not None
     weights = (sft_phase(cfg, groups, tok, records, dirs.sft_weights)
                if cfg.sft.steps and not resuming else cfg.init_weights)
-    objective_cfg = from_dict(objective_config_class(cfg.rl.objective),
-                              cfg.rl.objective_args, "rl.objective_args")
-    policy = Policy.build(
-        cfg.model, cfg.parallel, cfg.optim, build_objective(cfg.rl.objective, objective_cfg),
-        groups, PolicyConfig(
-            token_budget=cfg.rl.token_budget, aux_losses=cfg.rl.aux_losses,
-            token_advantages=("reinforce_pp" if cfg.rl.advantage == "reinforce_pp" else
-                              "gae" if cfg.rl.advantage == "gae" else "none"),
-            kl_in_reward=cfg.rl.kl_in_reward, gae_gamma=cfg.rl.gae_gamma,
-            gae_lambda=cfg.rl.gae_lambda),
-        weights=weights, reference_weights=ckpt.reference_weights() if ckpt else None,
-        precision=resolve_precision(cfg.precision), recompute=cfg.recompute,
-    )
-    if cfg.rl.advantage == "gae":  # PPO's critic; a resume then loads it from the checkpoint
-        from moerl.rl.critic import Critic
-
-        policy.critic = Critic.build(
-            cfg.model, cfg.parallel, cfg.optim, groups, cfg.rl.critic, init_from=policy.chunks,
-            seed=cfg.rl.seed, precision=resolve_precision(cfg.precision),
-            recompute=cfg.recompute)
+    policy = build_policy(cfg, groups, weights, ckpt.reference_weights() if ckpt else None,
+                          resolve_precision(cfg.precision), cfg.recompute)
     state = ckpt.load(policy) if ckpt else None
     start = state.next_step if state else 0
     ctl = _controller(cfg, dirs.root, records, held_out, tok) if groups.rank == 0 else None

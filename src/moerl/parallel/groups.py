@@ -4,6 +4,11 @@ Under torchrun the usual environment variables (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT) describe the job; without them this is a single process and a
 one-rank group is made on a private TCP store on 127.0.0.1. The backend is nccl
 when CUDA is present and gloo otherwise (where the CPU shims are applied first).
+
+`init_fake_parallel` makes this process one rank of a job that does not exist, on
+torch's fake backend (collectives return at once and move nothing, as Megatron-LM's
+`--fake-process-group`): the groups, ranks and sizes of the real job, for building
+what that rank would hold (`moerl rehearse`).
 """
 
 from __future__ import annotations
@@ -100,6 +105,28 @@ def init_parallel(
             f"set parallel.dp={max(world // (layout.tp * layout.pp * layout.cp), 1)} "
             f"or start {layout.world_size} ranks"
         )
+    _megatron_groups(layout, gloo=True)
+    _seed(seed, cuda)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return _this_rank(layout, backend, device)
+
+
+def init_fake_parallel(layout: ParallelLayout, rank: int, backend: str = "nccl") -> ParallelGroups:
+    """This process as global `rank` of a job of `layout.world_size` ranks, on torch's fake
+    process group; `backend` is the one the job would run on (builders read it). Megatron's
+    gloo groups are not made (the fake backend cannot), and the CPU shims are applied."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    if dist.is_initialized():
+        raise RuntimeError("init_fake_parallel: torch.distributed is already initialised")
+    apply_cpu_shims()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+    _megatron_groups(layout, gloo=False)
+    _seed(0, cuda=False)
+    return _this_rank(layout, backend, torch.device("cpu"))
+
+
+def _megatron_groups(layout: ParallelLayout, gloo: bool) -> None:
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
@@ -108,13 +135,25 @@ def init_parallel(
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
+        create_gloo_process_groups=gloo,
     )
-    _seed(seed, cuda)
+
+
+def gloo_groups_built() -> bool:
+    """Whether Megatron's gloo groups exist (not on a fake process group)."""
+    try:
+        ps.get_data_parallel_group_gloo(with_context_parallel=True, partial_data_parallel=True)
+    except AssertionError:
+        return False
+    return True
+
+
+def _this_rank(layout: ParallelLayout, backend: str, device: torch.device) -> ParallelGroups:
     return ParallelGroups(
         layout=layout,
         backend=backend,
         rank=dist.get_rank(),
-        world_size=world,
+        world_size=dist.get_world_size(),
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         ep_rank=ps.get_expert_model_parallel_rank(),
@@ -123,7 +162,7 @@ def init_parallel(
         tp_group=ps.get_tensor_model_parallel_group(),
         cp_group=ps.get_context_parallel_group(),
         pp_group=ps.get_pipeline_model_parallel_group(),
-        device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+        device=device,
     )
 
 

@@ -12,7 +12,17 @@ held by the rank:
 
 so 18 bytes/param without and 6 + 12/d with the distributed optimizer (bf16), as in
 Megatron's distributed-optimizer notes. Dense parameters shard over dp*cp, routed
-experts over the expert-data-parallel group.
+experts over the expert-data-parallel group. With FP8 primary weights only the linear
+layers' weights take one byte; embeddings, norms and routers stay in bf16.
+
+What else the trainer builds at start-up, each a term of its own:
+
+    reference_weights   the frozen reference model (`rl.policy`: `use_reference`), the
+                        policy's layout and precision: its weights only (no gradients,
+                        no optimizer)
+    critic_*            PPO's value model (`rl.advantage=gae`): the policy's trunk in the
+                        same layout without output layer and MTP, a (1, h) head, with
+                        its own gradient buffer and optimizer state (the four terms above)
 
 Activations use the accounting of Korthikanti et al., "Reducing Activation
 Recomputation in Large Transformer Models" (2022): count every tensor autograd saves
@@ -25,6 +35,7 @@ experts). `activations.py` holds those per-layer formulas.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -62,6 +73,8 @@ class RunSettings:
     kv_cache_tokens: int = 0  # colocated rollouts: tokens cached per model replica
     kv_cache_bytes: int = 2  # bytes per cached element (2 bf16, 1 fp8)
     runtime_reserve_gb: float = 3.0  # CUDA context, NCCL buffers, allocator slack
+    reference: bool = True  # the frozen reference model every RL run builds
+    critic: bool = False  # PPO's value model (rl.advantage=gae)
 
     def __post_init__(self) -> None:
         for name in ("seq_length", "micro_batch_size", "global_batch_size"):
@@ -92,6 +105,16 @@ class MemoryBreakdown:
         return {name: value / GiB for name, value in self.terms.items()}
 
 
+def primary_weight_bytes(split: ParamSplit, precision: Precision) -> float:
+    """Bytes of the weights themselves: one byte for the linear layers' FP8 primary
+    weights, two for the embeddings, norms and routers beside them; else every
+    parameter at the precision's width."""
+    if precision == "fp8":
+        wide = split.embedding + split.high_precision
+        return (split.total - wide) + 2.0 * wide
+    return split.total * {"bf16": 2.0, "fp32": 4.0}[precision]
+
+
 def weight_bytes(split: ParamSplit, layout: ParallelLayout, run: RunSettings) -> dict[str, float]:
     """weights, main_grads, master_weights and adam_states of one rank.
 
@@ -99,14 +122,13 @@ def weight_bytes(split: ParamSplit, layout: ParallelLayout, run: RunSettings) ->
     dp*cp and that of routed experts by the expert-data-parallel size.
     """
     held = split.total
-    width = {"fp8": 1, "bf16": 2, "fp32": 4}[run.precision]
     master = 0.0 if run.precision == "fp32" else 4.0
     dense_shards = layout.dp * layout.cp if layout.use_distributed_optimizer else 1
     expert_shards = layout.expert_dp if layout.use_distributed_optimizer else 1
     dense = split.total - split.expert
     sharded = dense / dense_shards + split.expert / expert_shards
     return {
-        "weights": float(held * width),
+        "weights": primary_weight_bytes(split, run.precision),
         "main_grads": float(held * 4),
         "master_weights": master * sharded,
         "adam_states": 8.0 * sharded,
@@ -177,6 +199,46 @@ def local_spec_split(arch: MoEArch, layout: ParallelLayout, split: ParamSplit,
                    tensor=split.tensor + moved / layout.tp)
 
 
+def critic_split(arch: MoEArch, layout: ParallelLayout, rank: int) -> ParamSplit:
+    """The value model's parameters on pipeline `rank` (`models.value`): the policy's
+    architecture untied and without MTP, its output layer replaced by a (1, h) head
+    with a bias."""
+    value_arch = dataclasses.replace(arch, untie_embeddings=True, mtp_num_layers=0)
+    split = stage_params(value_arch, layout, rank)
+    if rank == layout.pp - 1:
+        head = arch.hidden_size + 1
+        split = split + ParamSplit(replicated=head, high_precision=head,
+                                   embedding=-arch.vocab_size * arch.hidden_size / layout.tp)
+    return split
+
+
+def model_terms(arch: MoEArch, layout: ParallelLayout, run: RunSettings, rank: int
+                ) -> tuple[dict[str, float], float]:
+    """The static terms of what the trainer builds on pipeline `rank` (policy, reference,
+    critic), and the policy's parameter count there."""
+    chunks = stage_chunks(arch, layout, rank)
+    layers = sum(len(chunk) for chunk in chunks)
+    is_last = rank == layout.pp - 1
+    split = stage_params(arch, layout, rank)
+    if is_last and layout.pp > 1 and arch.mtp_num_layers:
+        # MTP embeds the shifted tokens itself: with pp > 1 the last stage holds its own
+        # copy of the word embeddings (vocab/tp x h), measured on Megatron-Core 0.19.
+        split = split + ParamSplit(embedding=arch.vocab_size * arch.hidden_size / layout.tp)
+    critic = critic_split(arch, layout, rank) if run.critic else None
+    if run.layer_spec == "local":
+        split = local_spec_split(arch, layout, split,
+                                 layers + (arch.mtp_num_layers if is_last else 0))
+        if critic is not None:
+            critic = local_spec_split(arch, layout, critic, layers)
+    terms = weight_bytes(split, layout, run)
+    terms["reference_weights"] = (primary_weight_bytes(split, run.precision)
+                                  if run.reference else 0.0)
+    if critic is not None:
+        terms.update({f"critic_{name}": value
+                      for name, value in weight_bytes(critic, layout, run).items()})
+    return terms, split.total
+
+
 def _activation_terms(
     arch: MoEArch, layout: ParallelLayout, run: RunSettings, layers: list[int], is_last: bool
 ) -> tuple[float, float]:
@@ -208,22 +270,13 @@ def rank_memory(
     arch: MoEArch, layout: ParallelLayout, run: RunSettings, rank: int
 ) -> MemoryBreakdown:
     """The memory of pipeline rank `rank` (0-based), every term named."""
-    chunks = stage_chunks(arch, layout, rank)
-    layers = [layer for chunk in chunks for layer in chunk]
+    layers = [layer for chunk in stage_chunks(arch, layout, rank) for layer in chunk]
     is_last = rank == layout.pp - 1
-    split = stage_params(arch, layout, rank)
-    if is_last and layout.pp > 1 and arch.mtp_num_layers:
-        # MTP embeds the shifted tokens itself: with pp > 1 the last stage holds its own
-        # copy of the word embeddings (vocab/tp x h), measured on Megatron-Core 0.19.
-        split = split + ParamSplit(embedding=arch.vocab_size * arch.hidden_size / layout.tp)
-    if run.layer_spec == "local":
-        mla_layers = len(layers) + (arch.mtp_num_layers if is_last else 0)
-        split = local_spec_split(arch, layout, split, mla_layers)
     micro_batches = run.micro_batches(layout.dp)
     in_flight = in_flight_micro_batches(layout, rank, micro_batches)
     width = 4 if run.precision == "fp32" else 2
 
-    terms = weight_bytes(split, layout, run)
+    terms, params = model_terms(arch, layout, run, rank)
     saved, working = _activation_terms(arch, layout, run, layers, is_last)
     terms["activations"] = saved * in_flight
     terms["recompute_working_set"] = working
@@ -233,8 +286,7 @@ def rank_memory(
         if any(arch.is_moe_layer(i) for i in layers) else 0.0
     terms["kv_cache"] = kv_cache_bytes(arch, layout, run, len(layers))
     terms["runtime_reserve"] = run.runtime_reserve_gb * GiB
-    return MemoryBreakdown(pipeline_rank=rank, terms=terms, params=split.total,
-                           in_flight=in_flight)
+    return MemoryBreakdown(pipeline_rank=rank, terms=terms, params=params, in_flight=in_flight)
 
 
 def memory_breakdown(arch: MoEArch, layout: ParallelLayout, run: RunSettings) -> MemoryBreakdown:

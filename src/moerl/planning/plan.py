@@ -1,9 +1,13 @@
 """Search parallel layouts for a model on a cluster; rank the ones that fit by step time.
 
-    moerl plan model=kimi-k2 cluster.nodes=128 run.seq_length=4096 [--json]
+    moerl plan model=kimi-k2 cluster.nodes=160 rollout.nodes=32 run.seq_length=4096 [--json]
 
-Every (tp, pp, vpp, cp, ep, etp) with tp inside a node, dp = world / (tp*pp*cp),
-and the global batch divisible by micro-batch * dp is built as a `ParallelLayout`
+`cluster.nodes` are the job's GPU nodes in all: the rollout engines take
+`rollout.nodes` of them and the trainer the rest (the reward and environment servers
+run on CPU nodes apart). Every (tp, pp, vpp, cp, ep, etp) with tp inside a node,
+dp = trainer world / (tp*pp*cp), the global batch divisible by micro-batch * dp and,
+with virtual stages, a micro-batch count per data-parallel rank that Megatron's
+interleaved schedule takes (a multiple of pp) is built as a `ParallelLayout`
 and must pass `ParallelLayout.check`. A layout fits when `memory.memory_breakdown`
 of its most loaded rank is at most gpu_memory * (1 - safety_margin); fitting
 layouts are ranked by `cost.step_time`.
@@ -17,13 +21,14 @@ builds through its pipeline layout.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moerl.models.arch import MoEArch
 from moerl.parallel.layout import LayoutError, ParallelLayout, uneven_split
 from moerl.planning.cost import ClusterSpec, StepTime, step_time
 from moerl.planning.memory import GiB, MemoryBreakdown, RunSettings, fits, memory_breakdown
 from moerl.planning.rollout_fit import RolloutSettings
+from moerl.planning.run_at_scale import RecipeSettings
 
 
 @dataclass
@@ -45,7 +50,8 @@ class PlanConfig:
     """`moerl plan` configuration; every field is a `key=value` override."""
 
     model: str = "kimi-k2"
-    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    cluster: ClusterSpec = field(default_factory=lambda: ClusterSpec(nodes=160))
+    """`nodes`: GPU nodes in all, trainer and rollout."""
     run: RunSettings = field(default_factory=RunSettings)
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     search: SearchSettings = field(default_factory=SearchSettings)
@@ -53,6 +59,17 @@ class PlanConfig:
     """CPU nodes for the reward servers; written into a recipe, not planned."""
     environment_nodes: int = 0
     """CPU nodes for the environment servers of agent tasks (0: prompts only); likewise."""
+    recipe: RecipeSettings = field(default_factory=RecipeSettings)
+    """The run's settings a recipe names beside its layout (`planning.run_at_scale`)."""
+
+    def trainer_cluster(self) -> ClusterSpec:
+        """The trainer's share of the GPU nodes: `cluster.nodes` less `rollout.nodes`."""
+        nodes = self.cluster.nodes - self.rollout.nodes
+        if nodes < 1:
+            raise ValueError(f"cluster.nodes={self.cluster.nodes}: the rollout engines take "
+                             f"rollout.nodes={self.rollout.nodes} of the GPU nodes and leave "
+                             "none to the trainer; raise cluster.nodes (trainer + rollout)")
+        return replace(self.cluster, nodes=nodes)
 
 
 @dataclass
@@ -103,6 +120,8 @@ def enumerate_layouts(
                 if run.global_batch_size % (run.micro_batch_size * dp):
                     continue
                 for vpp in vpps:
+                    if vpp and run.micro_batches(dp) % pp:
+                        continue  # Megatron's interleaved schedule: groups of pp
                     for etp in sorted({1, tp}):
                         for ep in _powers_of_two(min(arch.num_experts, tp * cp * dp)):
                             layout = ParallelLayout(

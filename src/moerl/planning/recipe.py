@@ -1,6 +1,8 @@
 """`moerl plan ... --recipe PATH`: the chosen layout, precision, recompute and rollout
 engines written as a recipe (configs/experiment/*_h100.yaml), which
-`moerl.launchers.recipes` renders into an sbatch script.
+`moerl.launchers.recipes` renders into an sbatch script, with the run's own settings in
+its `train` block (`planning.run_at_scale`: init weights, tokenizer, RL batch sizes and
+lengths of the planned step, sandboxes per CPU node), which `moerl rehearse` checks.
 
 The file is generated: its header names the command that produced it and what the
 planner predicted; the comment lines below the notes marker are the authors' and
@@ -11,11 +13,13 @@ from its own header and checks that nothing but comments differs.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from moerl.models.arch import get_preset
 from moerl.planning.memory import GiB
 from moerl.planning.plan import Candidate, PlanConfig
 from moerl.planning.rollout_fit import EngineFit
+from moerl.planning.run_at_scale import PlannedStep, train_settings
 
 NOTES_MARKER = "# Notes (kept when `moerl plan --recipe` rewrites this file):"
 _PRECISION_NOTE = {
@@ -56,20 +60,32 @@ def _wrapped_command(overrides: list[str], path: Path) -> list[str]:
     return [*lines, line]
 
 
+def _value(value: Any) -> str:
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def recipe_text(config: PlanConfig, overrides: list[str], path: Path, best: Candidate,
                 engine: EngineFit, notes: list[str]) -> str:
     """The recipe for the planner's best layout and rollout engine shape."""
     cluster, run, rollout, layout = config.cluster, config.run, config.rollout, best.layout
     budget = cluster.gpu_memory_gb * (1 - config.search.safety_margin)
     chunks = layout.pp * (layout.vpp or 1)
+    step = PlannedStep(run.global_batch_size, run.seq_length, run.micro_batch_size, layout)
+    train = train_settings(step, config.recipe, config.reward_nodes, config.environment_nodes,
+                           engine.needed_rows)
     header = [
         "# @package _global_",
         *_wrapped_command(overrides, path),
         f"# Predicted: {best.memory.total / GiB:.1f} GiB on the busiest rank (budget "
         f"{budget:.1f} = {cluster.gpu_memory_gb:g} less {config.search.safety_margin:.0%}), "
         f"{best.time.total:.2f} s per step",
-        f"# of {run.global_batch_size} x {run.seq_length} tokens; rollout engines of "
-        f"{engine.gpus} GPUs (TP{engine.tp}, EP{engine.ep}), {engine.replicas} of them.",
+        f"# of {run.global_batch_size} x {run.seq_length} tokens, {step.micro_batches} "
+        f"micro-batches per DP rank (pipeline bubble {step.bubble:.1%});",
+        f"# rollout engines of {engine.gpus} GPUs (TP{engine.tp}, EP{engine.ep}), "
+        f"{engine.replicas} of them, {engine.needed_rows} "
+        f"row{'s' if engine.needed_rows != 1 else ''} each.",
     ]
     if best.uneven_pipeline:
         header.append(f"# {get_preset(config.model).num_layers} layers over pp*vpp = {chunks} "
@@ -86,7 +102,7 @@ def recipe_text(config: PlanConfig, overrides: list[str], path: Path, best: Cand
         f"seq_length: {run.seq_length}",
         "",
         "cluster:",
-        f"  trainer_nodes: {cluster.nodes}",
+        f"  trainer_nodes: {config.trainer_cluster().nodes}",
         f"  rollout_nodes: {rollout.nodes}",
         f"  reward_nodes: {config.reward_nodes}  # CPU nodes: sandboxes and verifiers",
         f"  environment_nodes: {config.environment_nodes}  # CPU nodes: agent tasks' sandboxes",
@@ -94,8 +110,8 @@ def recipe_text(config: PlanConfig, overrides: list[str], path: Path, best: Cand
         f"  gpu_memory_gb: {cluster.gpu_memory_gb:g}",
         "",
         "parallel:",
-        *[f"  {key}: {getattr(layout, key)}" for key in ("tp", "pp", "vpp", "ep", "etp", "cp",
-                                                         "dp")],
+        *[f"  {key}: {_value(getattr(layout, key))}" for key in ("tp", "pp", "vpp", "ep", "etp",
+                                                                 "cp", "dp")],
         "  sequence_parallel: null  # on when tp > 1",
         f"  use_distributed_optimizer: {str(layout.use_distributed_optimizer).lower()}",
         f"  stage_layers: {stage_layers}",
@@ -109,15 +125,19 @@ def recipe_text(config: PlanConfig, overrides: list[str], path: Path, best: Cand
         f"  recompute: {run.recompute}  # {_RECOMPUTE_NOTE[run.recompute]}",
         "  moe_capacity_factor: "
         + ("null  # dropless" if run.moe_capacity_factor is None else f"{run.moe_capacity_factor}"),
+        f"  reference: {_value(run.reference)}  # the frozen reference model",
+        f"  critic: {_value(run.critic)}  # PPO's value model (rl.advantage=gae)",
         "",
         "rollout:",
         f"  engine_gpus: {engine.gpus}",
         f"  tp: {engine.tp}",
         f"  ep: {engine.ep}",
         f"  replicas: {engine.replicas}",
-        f"  weight_dtype: {'fp8' if rollout.weight_bytes == 1 else 'bf16'}",
+        f"  weight_dtype: {rollout.weight_dtype}",
         f"  concurrent_sequences: {rollout.concurrent_sequences}",
         f"  context_length: {rollout.context_length}",
+        "",
+        "train:  # `moerl train` settings of the run beside its layout (moerl rehearse checks)",
+        *[f"  {key}: {_value(value)}" for key, value in train.items()],
     ]
     return "\n".join([*header, *body]) + "\n"
-

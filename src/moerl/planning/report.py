@@ -13,7 +13,8 @@ from moerl.models.arch import get_preset
 from moerl.planning.memory import GiB
 from moerl.planning.plan import Candidate, PlanConfig, search_layouts
 from moerl.planning.recipe import existing_notes, recipe_text
-from moerl.planning.rollout_fit import EngineFit, rollout_options
+from moerl.planning.rollout_fit import EngineFit, KVBytes, rollout_options
+from moerl.planning.run_at_scale import PlannedStep
 from moerl.typed_config import ConfigError, from_dict, to_dict
 
 _ABSENT = object()
@@ -41,7 +42,12 @@ def load_plan_config(overrides: list[str]) -> PlanConfig:
             raise ConfigError(f"{key}: {str(err).splitlines()[0]}") from None
     data = OmegaConf.to_container(base, resolve=True)
     assert isinstance(data, dict)
-    return from_dict(PlanConfig, {str(k): v for k, v in data.items()})
+    config = from_dict(PlanConfig, {str(k): v for k, v in data.items()})
+    try:
+        config.trainer_cluster()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return config
 
 
 def candidate_dict(candidate: Candidate) -> dict[str, Any]:
@@ -59,14 +65,16 @@ def candidate_dict(candidate: Candidate) -> dict[str, Any]:
             "tp": time.tp, "cp": time.cp, "ep": time.ep, "pp": time.pp, "dp": time.dp,
         },
         "tokens_per_gpu_second": time.tokens_per_gpu_second,
+        "bubble_share": time.bubble / time.total if time.total else 0.0,
     }
 
 
 def _layouts_table(config: PlanConfig, best: list[Candidate], considered: int) -> Table:
-    cluster = config.cluster
+    cluster = config.trainer_cluster()
     peak = cluster.peak_fp8_tflops if config.run.precision == "fp8" else cluster.peak_bf16_tflops
-    table = Table(title=f"{config.model} on {cluster.nodes} x {cluster.gpus_per_node} GPUs: "
-                        f"{len(best)} shown of the fitting layouts ({considered} valid)")
+    table = Table(title=f"{config.model}: trainer on {cluster.nodes} x {cluster.gpus_per_node} "
+                        f"GPUs (rollout on {config.rollout.nodes} more nodes): {len(best)} "
+                        f"shown of the fitting layouts ({considered} valid)")
     columns = ("#", "layout", "pp split", "GiB", "step s", "compute s", "bubble s", "comm s",
                "tok/s/GPU", "MFU")
     for column in columns:
@@ -81,10 +89,13 @@ def _layouts_table(config: PlanConfig, best: list[Candidate], considered: int) -
     return table
 
 
-def _memory_table(best: Candidate, budget_gib: float) -> Table:
+def _memory_table(best: Candidate, budget_gib: float, run: PlanConfig) -> Table:
     memory = best.memory
+    step = PlannedStep(run.run.global_batch_size, run.run.seq_length, run.run.micro_batch_size,
+                       best.layout)
     table = Table(title=f"memory of {best.layout.describe()}, pipeline rank "
-                        f"{memory.pipeline_rank} ({memory.in_flight:g} micro-batches in flight)")
+                        f"{memory.pipeline_rank} ({memory.in_flight:g} micro-batches in flight; "
+                        f"{step.micro_batches} per DP rank a step, bubble {step.bubble:.1%})")
     table.add_column("term")
     table.add_column("GiB", justify="right")
     table.add_column("share", justify="right")
@@ -94,28 +105,34 @@ def _memory_table(best: Candidate, budget_gib: float) -> Table:
     return table
 
 
-def _rollout_table(options: list[EngineFit], nodes: int) -> Table:
-    table = Table(title=f"rollout engines on {nodes} nodes")
+def _rollout_table(options: list[EngineFit], config: PlanConfig) -> Table:
+    rollout = config.rollout
+    table = Table(title=f"rollout engines on {rollout.nodes} nodes ({rollout.weight_dtype} "
+                        f"weights, {rollout.concurrent_sequences} sequences of "
+                        f"{rollout.context_length:,} tokens at once)")
     for column in ("GPUs/engine", "TP", "EP", "replicas", "weights GiB/GPU", "KV tokens",
-                   "needed", "fits"):
+                   "rows", "needed", "fits"):
         table.add_column(column, justify="right")
     shown = [o for o in options if o.fits][:6] or options[:3]
     for o in shown:
         table.add_row(str(o.gpus), str(o.tp), str(o.ep), str(o.replicas), f"{o.weights_gb:.1f}",
-                      f"{o.kv_tokens:,}", f"{o.needed_tokens:,}", "yes" if o.fits else "no")
+                      f"{o.kv_tokens:,}", str(o.rows), str(o.needed_rows),
+                      "yes" if o.fits else "no")
     return table
 
 
-def report(config: PlanConfig, as_json: bool, recipe: Path | None = None,
+def report(config: PlanConfig, as_json: bool, kv_bytes: KVBytes, recipe: Path | None = None,
            overrides: list[str] | None = None) -> int:
     """Run the search and print the result; 1 when no layout fits. With `recipe`,
-    write the best layout and rollout engine shape there (`planning.recipe`)."""
+    write the best layout and rollout engine shape there (`planning.recipe`).
+    `kv_bytes`: the rollout engine's cache per token and layer (`rollout.kv_layout`)."""
     arch = get_preset(config.model)
-    cluster, search = config.cluster, config.search
+    cluster, search = config.trainer_cluster(), config.search
     result = search_layouts(arch, cluster, config.run, search)
     fitting, considered, miss = result.fitting, result.considered, result.closest_miss
     best = fitting[: search.top]
-    options = rollout_options(arch, config.rollout, cluster.gpus_per_node, cluster.gpu_memory_gb)
+    options = rollout_options(arch, config.rollout, cluster.gpus_per_node, cluster.gpu_memory_gb,
+                              kv_bytes)
     if as_json:
         print(json.dumps({
             "config": to_dict(config),
@@ -146,6 +163,7 @@ def report(config: PlanConfig, as_json: bool, recipe: Path | None = None,
                                       notes))
         console.print(f"wrote {recipe}", markup=False)
     console.print(_layouts_table(config, best, considered))
-    console.print(_memory_table(best[0], cluster.gpu_memory_gb * (1 - search.safety_margin)))
-    console.print(_rollout_table(options, config.rollout.nodes))
+    console.print(_memory_table(best[0], cluster.gpu_memory_gb * (1 - search.safety_margin),
+                                config))
+    console.print(_rollout_table(options, config))
     return 0

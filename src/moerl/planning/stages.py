@@ -9,6 +9,10 @@ loss, MTP) stay light, as Megatron's uneven splits (`decoder_first_pipeline_num_
 The first stage holds the input embedding, the last the output head, final norm
 and the MTP modules.
 
+Norms and routers are counted apart as well (`ParamSplit.high_precision`, inside their
+sharding kind): with FP8 primary weights Transformer Engine keeps only the weights of
+its linear layers in one byte, and these, like the embeddings, stay in bf16.
+
 Sharding on the GPU code path (Transformer Engine spec):
     replicated  norms, router, MLA down-projections (Megatron builds them "duplicated")
     tensor      MLA up/out projections, dense and shared-expert FFNs, MTP projection: /tp
@@ -33,6 +37,8 @@ class ParamSplit:
     tensor: float = 0.0
     expert: float = 0.0
     embedding: float = 0.0
+    high_precision: float = 0.0
+    """Norm and router weights, already counted in `replicated`: never FP8."""
 
     @property
     def total(self) -> float:
@@ -44,6 +50,7 @@ class ParamSplit:
             self.tensor + other.tensor,
             self.expert + other.expert,
             self.embedding + other.embedding,
+            self.high_precision + other.high_precision,
         )
 
 
@@ -54,6 +61,13 @@ def stage_chunks(arch: MoEArch, layout: ParallelLayout, rank: int) -> list[list[
     starts = [sum(sizes[:j]) for j in range(chunks)]
     mine = range(rank, chunks, layout.pp)
     return [list(range(starts[j], starts[j] + sizes[j])) for j in mine]
+
+
+def attention_norms(arch: MoEArch) -> int:
+    """Norm weights of one attention block: its input norm and MLA's two latent norms."""
+    if arch.attention != "mla":
+        return arch.hidden_size
+    return arch.hidden_size + (arch.q_lora_rank or 0) + arch.kv_lora_rank
 
 
 def attention_split(arch: MoEArch) -> tuple[int, int]:
@@ -72,28 +86,30 @@ def layer_split(arch: MoEArch, layout: ParallelLayout, layer: int) -> ParamSplit
     """One decoder layer's parameters on one rank, per sharding kind."""
     h, tp = arch.hidden_size, layout.tp
     rep, ten = attention_split(arch)
+    norms = attention_norms(arch) + h  # + the pre-FFN norm
     if arch.is_moe_layer(layer):
         shared = 3 * h * arch.shared_expert_ffn_hidden_size
         routed = arch.num_experts * 3 * h * arch.moe_ffn_hidden_size
+        router = h * arch.num_experts
         return ParamSplit(
-            replicated=rep + h * arch.num_experts + h,  # + router, pre-FFN norm
+            replicated=rep + router + h,
             tensor=(ten + shared) / tp,
             expert=routed / (layout.ep * layout.etp),
+            high_precision=norms + router,
         )
     mlp = dense_mlp_params(arch)
-    return ParamSplit(replicated=rep + h, tensor=(ten + mlp - h) / tp)
+    return ParamSplit(replicated=rep + h, tensor=(ten + mlp - h) / tp, high_precision=norms)
 
 
 def mtp_split(arch: MoEArch, layout: ParallelLayout) -> ParamSplit:
     """MTP modules: 2 norms, the 2h -> h projection, one decoder layer, a final norm."""
     h = arch.hidden_size
     block = layer_split(arch, layout, arch.num_layers - 1)
-    extra = ParamSplit(replicated=3 * h, tensor=2 * h * h / layout.tp)
-    return ParamSplit(
-        replicated=arch.mtp_num_layers * (block.replicated + extra.replicated),
-        tensor=arch.mtp_num_layers * (block.tensor + extra.tensor),
-        expert=arch.mtp_num_layers * block.expert,
-    )
+    extra = ParamSplit(replicated=3 * h, tensor=2 * h * h / layout.tp, high_precision=3 * h)
+    one = block + extra
+    n = arch.mtp_num_layers
+    return ParamSplit(replicated=n * one.replicated, tensor=n * one.tensor, expert=n * one.expert,
+                      high_precision=n * one.high_precision)
 
 
 def stage_params(arch: MoEArch, layout: ParallelLayout, rank: int) -> ParamSplit:
@@ -107,6 +123,7 @@ def stage_params(arch: MoEArch, layout: ParallelLayout, rank: int) -> ParamSplit
         split = split + ParamSplit(embedding=table)
     if rank == layout.pp - 1:
         head = table if arch.untie_embeddings or layout.pp > 1 else 0.0
-        split = split + ParamSplit(replicated=arch.hidden_size, embedding=head)
+        split = split + ParamSplit(replicated=arch.hidden_size, embedding=head,
+                                   high_precision=arch.hidden_size)  # + the final norm
         split = split + mtp_split(arch, layout)
     return split

@@ -30,6 +30,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from moerl.data.tiktoken_tokenizer import TiktokenTokenizer
 from moerl.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from moerl.models.arch import MoEArch
 from moerl.models.precision import FP8_RECIPES, ParamsDtype, PrecisionConfig, TransformerImpl
@@ -207,9 +208,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--params-dtype", choices=get_args(ParamsDtype), default="auto",
                    help="the run's precision.params_dtype")
     p.add_argument("--fp8", choices=FP8_RECIPES, default=None, help="the run's precision.fp8")
+    p.add_argument("--fp8-param", action="store_true",
+                   help="the run's precision.fp8_param: FP8 primary weights (one byte each)")
     p.add_argument("--tokenizer", default=None,
-                   help="a Hugging Face tokenizer directory (the run's tokenizer.path); "
-                        "default: bytes")
+                   help="a tokenizer directory (the run's tokenizer.path); default: bytes")
+    p.add_argument("--tokenizer-kind", choices=("hf", "tiktoken"), default="hf",
+                   help="the run's tokenizer.kind: tokenizer.json or tiktoken.model")
     p.add_argument("--eos-token", default=None, help="EOS token text (default: the directory's)")
     p.add_argument("--pad-token", default=None)
     p.add_argument("--bos-token", default=None)
@@ -230,22 +234,33 @@ def _arch(args: argparse.Namespace) -> str | MoEArch:
     return from_dict(MoEArch, data, "model")
 
 
+def precision_of(args: argparse.Namespace) -> PrecisionConfig:
+    """The precision a server parsed from `args` computes in (the run's)."""
+    return PrecisionConfig(transformer_impl=args.transformer_impl,
+                           params_dtype=args.params_dtype, fp8=args.fp8,
+                           fp8_param=args.fp8_param)
+
+
+def _tokenizer(args: argparse.Namespace) -> Tokenizer:
+    if not args.tokenizer:
+        return ByteTokenizer()
+    specials = dict(eos_token=args.eos_token, pad_token=args.pad_token,
+                    bos_token=args.bos_token, end_of_turn_token=args.end_of_turn_token)
+    if args.tokenizer_kind == "tiktoken":
+        return TiktokenTokenizer(args.tokenizer, **specials)
+    return HFTokenizer(args.tokenizer, **specials)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    tokenizer: Tokenizer = (
-        HFTokenizer(args.tokenizer, eos_token=args.eos_token, pad_token=args.pad_token,
-                    bos_token=args.bos_token, end_of_turn_token=args.end_of_turn_token)
-        if args.tokenizer else ByteTokenizer()
-    )
+    tokenizer = _tokenizer(args)
     speculative = SpeculativeConfig(mode=args.speculative, num_draft_tokens=args.num_draft_tokens,
                                     adaptive=args.adaptive_drafts)
     options = EngineOptions(args.max_batch, args.backend, args.logprob_mode, speculative,
                             partial_rollouts=args.partial_rollouts)
-    precision = PrecisionConfig(transformer_impl=args.transformer_impl,
-                                params_dtype=args.params_dtype, fp8=args.fp8)
     engine = build_engine(_arch(args), tokenizer, weights=args.weights, seed=args.seed,
-                          options=options, precision=precision, tp=args.tp, ep=args.ep,
+                          options=options, precision=precision_of(args), tp=args.tp, ep=args.ep,
                           pp=args.pp)
     if engine.ranks is not None and not engine.ranks.leader:
         follow(engine, engine.ranks)

@@ -186,10 +186,39 @@ def open_batch(
     tokens = torch.zeros(len(rows), total, dtype=torch.long, device=device)  # [B, T]
     for i, row in enumerate(rows):
         tokens[i, : lengths[i]] = torch.tensor(row.prompt, dtype=torch.long)
-    context = StaticInferenceContext(len(rows), total)
+    context = new_cache(len(rows), total)
     wrapper = GPTInferenceWrapper(model, context)
     wrapper.prep_model_for_inference()  # eval mode, context reset to prefill
     return tokens, context, wrapper, wrapper.prep_inference_input(tokens)
+
+
+def new_cache(rows: int, positions: int) -> StaticInferenceContext:
+    """The KV cache of one batch: Megatron's static context, whose buffers each attention
+    layer allocates on the batch's first forward, (positions, rows, heads/tp, dim) for
+    its keys and for its values (`rollout.kv_layout` says what that comes to)."""
+    return StaticInferenceContext(rows, positions)
+
+
+def allocate_kv_cache(model: GPTModel, rows: int, positions: int) -> StaticInferenceContext:
+    """The cache a batch of `rows` rows of up to `positions` tokens holds on this rank,
+    allocated by each attention layer itself: one token through each layer's input
+    norm and attention (the rest of the model allocates no cache). `model` in eval mode."""
+    context = new_cache(rows, positions)
+    config = model.config
+    device = next(model.parameters()).device
+    with torch.inference_mode(), InferenceMode.active():
+        hidden = torch.zeros(1, rows, config.hidden_size, dtype=config.params_dtype,
+                             device=device)  # [s=1, b, h]
+        for layer in model.decoder.layers:
+            layer.self_attention(layer.input_layernorm(hidden), attention_mask=None,
+                                 inference_context=context)
+    return context
+
+
+def cache_bytes(context: StaticInferenceContext) -> int:
+    """Bytes of the keys and values `context` holds."""
+    return sum(t.numel() * t.element_size() for pair in context.key_value_memory_dict.values()
+               for t in pair)
 
 
 def compact_cache(context: StaticInferenceContext, live: list[int], unfinished: list[int]) -> None:

@@ -21,6 +21,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from moerl.parallel.groups import gloo_groups_built
 from moerl.parallel.layout import ParallelLayout
 from moerl.trainer.config import OptimConfig
 
@@ -82,6 +83,8 @@ def build_optimizer(
                 "use_precision_aware_optimizer": True} if offload else {}),
         ),
         model,
+        # Megatron's gloo groups are absent on a fake process group (`moerl rehearse`).
+        use_gloo_process_groups=gloo_groups_built(),
     )
     if not offload:
         fuse_torch_adam(optimizer)

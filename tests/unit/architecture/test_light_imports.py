@@ -48,7 +48,7 @@ def test_module_imports_no_torch(module: str) -> None:
 
 @pytest.mark.parametrize("args", [
     ["--help"],
-    ["plan", "model=kimi-k2", "cluster.nodes=128"],
+    ["plan", "model=kimi-k2", "cluster.nodes=160"],
     ["train", "+experiment=demo", "--dry-run"],
     ["train", "launcher=slurm", "cluster=h100", "--dry-run"],
 ], ids=["help", "plan", "train-dry-run", "slurm-dry-run"])

@@ -2,7 +2,8 @@
 graded by running their unit tests in the sandbox (reward `humaneval`).
 
 Options: `constants`, the digits the tasks' constants are drawn from (default 0-9).
-The reference of every record is the correct body.
+The reference of every record is the correct body. The "eval" split is named from the
+held-out function names (code_tasks.HELD_OUT_NAMES): its prompts never occur in "train".
 """
 
 from __future__ import annotations
@@ -25,5 +26,5 @@ def generate(count: int, seed: int, split: str, options: Mapping[str, Any]) -> l
         PromptRecord(uid=t.uid, prompt=t.prompt, reward="humaneval",
                      spec={"prompt": t.prompt, "test": t.tests, "entry_point": t.entry_point},
                      reference=t.reference)
-        for t in make_tasks(count, seed, split, constants)
+        for t in make_tasks(count, seed, split, constants, held_out=split == "eval")
     ]

@@ -68,6 +68,18 @@ def _within(records: list[PromptRecord], limit: int, tokens: PromptTokens, stric
     return kept
 
 
+def _unseen(held_out: list[PromptRecord], train: list[PromptRecord],
+            report: LoadReport) -> list[PromptRecord]:
+    """The held-out records whose prompt text no training record has: a generator with a
+    small space (or two JSONL files that share rows) would otherwise measure the model
+    on prompts it trained on. Each one left out is counted in the report."""
+    seen = {record.prompt for record in train}
+    kept = [record for record in held_out if record.prompt not in seen]
+    for _ in range(len(held_out) - len(kept)):
+        report.drop("held-out prompt also a training prompt")
+    return kept
+
+
 def bytes_upper_bound(record: PromptRecord) -> int:
     """A prompt's length in tokens when no tokenizer is at hand: its UTF-8 bytes, an
     upper bound for every tokenizer the project ships (the byte tokenizer's count)."""
@@ -104,6 +116,7 @@ def domain_records(name: str, cfg: DomainConfig, data_seed: int, max_prompt_toke
                                else f"{where}: {err}") from err
         train = _within(train, limit, tokens, strict, where, report)
         held_out = _within(held_out, limit, tokens, strict, where, report)
+    held_out = _unseen(held_out, train, report)
     if not train:
         raise DatasetError(f"{where}: no training prompts ({report.dropped or 'none made'})")
     report.loaded = len(train)
