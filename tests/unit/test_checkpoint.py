@@ -267,3 +267,22 @@ def test_materialized_adam_state_is_the_state_a_first_step_starts_from() -> None
         opt.step()
     assert torch.equal(params[0].detach(), params[1].detach())
     assert float(fresh.state[params[0]]["step"]) == float(saved.state[params[1]]["step"]) == 1
+
+
+def test_a_save_is_due_after_interval_minutes_of_wall_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from moerl.checkpoint import checkpointer
+
+    now = [1000.0]
+    monkeypatch.setattr(checkpointer, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    cfg = CheckpointConfig(dir=str(tmp_path), save_interval=10, interval_minutes=30)
+    ckpt = Checkpointer(cfg, Fingerprints("m", "d", "c"))
+    now[0] += 29 * 60
+    assert not ckpt.should_save(7)
+    assert ckpt.should_save(10)  # the step interval still counts
+    now[0] += 61
+    assert ckpt.should_save(11)
+    with pytest.raises(ValueError, match="interval_minutes"):
+        CheckpointConfig(dir="x", interval_minutes=-1)

@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -114,9 +115,17 @@ class Checkpointer:
         self.fingerprints = fingerprints
         self._async = ThreadCallsQueue() if cfg.async_save else None
         self._strategy: FullyParallelSaveStrategyWrapper | None = None
+        self._last_save = time.monotonic()  # or the start: interval_minutes counts from it
 
     def should_save(self, step: int) -> bool:
-        return self.cfg.save_interval > 0 and step % self.cfg.save_interval == 0
+        """Due after `step` by the step interval, or by `interval_minutes` of wall time
+        since the last save (rank 0's clock decides for all: collective when set)."""
+        if self.cfg.save_interval > 0 and step % self.cfg.save_interval == 0:
+            return True
+        if self.cfg.interval_minutes <= 0:
+            return False
+        late = time.monotonic() - self._last_save >= self.cfg.interval_minutes * 60
+        return bool(broadcast(late))
 
     # -- saving ---------------------------------------------------------------
 
@@ -130,6 +139,7 @@ class Checkpointer:
         """
         parts = _checked_parts(parts)
         self.wait()  # one save in flight at a time: `latest` moves in step order
+        self._last_save = time.monotonic()
         final = self.root / step_name(step)
         if broadcast(final.exists() and read_latest(self.root) == final):
             return final  # resumed at the last step: nothing new to save

@@ -27,6 +27,9 @@ class CheckpointConfig:
     """Root holding `step_XXXXXXXX/` checkpoints and the `latest` pointer; None: off."""
     save_interval: int = 0
     """Save every this many optimizer steps (0: only at the end and on a stop signal)."""
+    interval_minutes: float = 0.0
+    """Also save after a step that ends this many minutes of wall time after the last
+    save (or the start); 0: off. `planning.checkpoint_time` plans it for a recipe."""
     keep_last: int = 2
     """Complete checkpoints kept; older ones are deleted after each save (0: keep all)."""
     async_save: bool = False
@@ -52,6 +55,9 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.save_interval < 0:
             raise ValueError(f"checkpoint.save_interval: must be >= 0, got {self.save_interval}")
+        if self.interval_minutes < 0:
+            raise ValueError(f"checkpoint.interval_minutes: must be >= 0 (0: off), got "
+                             f"{self.interval_minutes}")
         if self.keep_last < 0:
             raise ValueError(f"checkpoint.keep_last: must be >= 0, got {self.keep_last}")
         if not self.resume:
