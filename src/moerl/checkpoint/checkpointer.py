@@ -87,13 +87,14 @@ from moerl.checkpoint.tensor_files import (
     tensor_entries,
 )
 from moerl.checkpoint.trainable import Trainable
+from moerl.models.weights_marker import MARKER as WEIGHTS_MARKER
 from moerl.signals import StopOnSignal, start_helpers_ignoring
 
 __all__ = ["FAULT_ENV", "CheckpointConfig", "CheckpointError", "Checkpointer", "Fingerprints",
            "Resumed"]
 
 STATE = "state.json"
-DIST = "dist"
+DIST = "dist"  # the tensors; with WEIGHTS_MARKER, also a weights directory of the model
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,11 @@ class Checkpointer:
         error = None
         try:
             fault("tensors", step)
-            files = gather_to_first({**digests, **tensor_entries(strategy, DIST)})
+            mine = {**digests, **tensor_entries(strategy, DIST)}
+            if rank() == 0:  # the model part is a weights directory a rollout server reads
+                mine[f"{DIST}/{WEIGHTS_MARKER}"] = write_file(tmp / DIST / WEIGHTS_MARKER,
+                                                              b"ok\n")
+            files = gather_to_first(mine)
             if rank() == 0:
                 expected = {STATE, f"{DIST}/metadata.json", f"{DIST}/.metadata"}
                 expected |= {f"rng/rank_{r:05d}.json" for r in range(world())}
@@ -328,6 +333,14 @@ class Checkpointer:
             how = "weights only" if self.cfg.weights_only else "model + optimizer"
             print(f"resumed from {path} at step {state['step']} ({how})", file=sys.stderr)
         return Resumed(int(state["step"]), path, state["extra"], self.cfg.weights_only)
+
+    def saved_extra(self, path: Path) -> dict[str, Json]:
+        """The caller's extra state saved in checkpoint `path`, read before anything is
+        built for it ({} for a checkpoint without one; `load` verifies it)."""
+        if not (path / STATE).is_file():
+            return {}
+        extra: dict[str, Json] = json.loads((path / STATE).read_text()).get("extra", {})
+        return extra
 
     def check_compatible(self, path: Path, require: tuple[str, ...] = ("data",)) -> None:
         """Refuse `path` for a changed model or dataset before anything is built for it

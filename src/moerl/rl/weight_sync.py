@@ -74,9 +74,24 @@ class _Announcer:
 
 
 class FilesystemWeightSync(_Announcer):
-    """Megatron weights for our own servers (`rollout.engine=moerl`)."""
+    """Megatron weights for our own servers (`rollout.engine=moerl`).
+
+    `initial`: a weights directory that holds exactly the policy's weights when the
+    first version is pushed (the run's initial weights, or a resumed checkpoint's model
+    part): the servers are told to read it where it is, and nothing is written. It is
+    never deleted with the published versions."""
+
+    def __init__(self, root: Path, engines: RolloutClient | None, keep: int,
+                 initial: Path | None = None) -> None:
+        super().__init__(root, engines, keep)
+        self.initial = initial
 
     def push(self, policy: Publisher, version: int) -> None:
+        if self.initial is not None:
+            initial, self.initial = self.initial, None
+            if self.engines is not None:
+                self.engines.update_weights(initial, version)
+            return
         path = policy.publish(self.root / f"v{version:06d}")
         if dist.is_initialized():
             dist.barrier()
@@ -152,17 +167,20 @@ def export_dtype(name: str) -> torch.dtype | None:
 def build_weight_sync(engine: str, root: Path, engines: RolloutClient | None, *, keep: int = 2,
                       hf_model_dir: str | None = None, dtype: str = "auto",
                       mode: str = "disk", arch: MoEArch | None = None,
-                      bucket_mb: int = 64, server_ranks: int | None = None) -> WeightSync:
+                      bucket_mb: int = 64, server_ranks: int | None = None,
+                      initial: Path | None = None) -> WeightSync:
     """The strategy `rollout.engine` and `rl.weight_sync` need: Megatron weights for
     moerl, an HF export then the engine's update call for vllm and sglang; with
     `mode="memory"` (moerl, sglang) each version after the first is streamed over a
-    process group instead (`server_ranks`: each server's ranks, None: they say)."""
+    process group instead (`server_ranks`: each server's ranks, None: they say).
+    `initial`: the weights directory the first version already is (moerl servers read
+    it there; see `FilesystemWeightSync`)."""
     if mode not in ("disk", "memory"):
         raise ValueError(f"rl.weight_sync: {mode!r}; choose disk or memory")
     kind = check_engine(engine)
     disk: WeightSync
     if kind == "moerl":
-        disk = FilesystemWeightSync(root, engines, keep)
+        disk = FilesystemWeightSync(root, engines, keep, initial)
     else:
         disk = HFExportWeightSync(root, engines, keep, served_dir=hf_model_dir,
                                   dtype=export_dtype(dtype))
