@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from moerl.agent.server_config import EnvironmentStageConfig
 from moerl.checkpoint.config import CheckpointConfig
+from moerl.data.domain_config import DomainConfig
 from moerl.data.prompts import DataConfig
 from moerl.data.tokenizer import TokenizerConfig
 from moerl.models.arch import MoEArch
@@ -25,7 +26,7 @@ from moerl.rewards.config import RewardStageConfig
 from moerl.rl.config import RLConfig
 from moerl.rollout.config import RolloutStageConfig, server_ranks
 from moerl.trainer.config import OptimConfig, SFTConfig
-from moerl.typed_config import ConfigError, from_dict
+from moerl.typed_config import ConfigError, defaults_of, from_dict
 
 # SLURM's --mem-per-cpu: a number with an optional unit.
 MEM_PER_CPU = re.compile(r"^\d+[KMGT]?$")
@@ -44,10 +45,22 @@ def config_dir() -> Path:
     return path
 
 
-def compose(overrides: list[str], config_name: str = "config") -> dict[str, Any]:
-    """Hydra composition of configs/<config_name>.yaml with command-line overrides."""
+SCHEMA_NODE = "schema"  # what each root YAML lists first in its defaults
+DOMAIN_SCHEMA_NODE = "domain_schema"  # what each configs/domain file lists for its entry
+
+
+def compose(overrides: list[str], config_name: str = "config",
+            schema: type | None = None) -> dict[str, Any]:
+    """Hydra composition of configs/<config_name>.yaml with command-line overrides.
+
+    The root YAML starts from the dataclass defaults of `schema` (RunConfig unless
+    given), registered as the config `schema`, and each domain of configs/domain from
+    DomainConfig's (`domain_schema`): the YAML files hold only what differs from them,
+    and every field can still be overridden by name (an unknown one is refused by
+    Hydra, a mistyped one when the result is typed)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.core.config_store import ConfigStore
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -55,6 +68,9 @@ def compose(overrides: list[str], config_name: str = "config") -> dict[str, Any]
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"{bad[0]!r}: overrides look like key=value (e.g. parallel.tp=2)")
+    store = ConfigStore.instance()
+    store.store(name=SCHEMA_NODE, node=defaults_of(schema or RunConfig))
+    store.store(name=DOMAIN_SCHEMA_NODE, node=defaults_of(DomainConfig))
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             cfg = hydra_compose(config_name=config_name, overrides=overrides)
@@ -173,22 +189,40 @@ class ClusterConfig:
     """GPU nodes the partitions hold; None: not checked."""
     cpu_nodes: int | None = None
     """CPU nodes of the reward partition; None: not checked."""
+    # -- Links of one GPU (the weight sync's projection, benchmarks/weight_sync.py);
+    # None: not known, the projection asks for them --
+    nvlink_gbps: float | None = None
+    """GB/s each way between two GPUs of a node over NVLink, achievable."""
+    ib_gbps: float | None = None
+    """GB/s each way through one GPU's InfiniBand NIC, achievable."""
+    pcie_gbps: float | None = None
+    """GB/s each way between one GPU and host memory, achievable."""
+    message_latency_us: float | None = None
+    """per point-to-point message between nodes (NCCL send/recv), start to finish."""
 
     def __post_init__(self) -> None:
         if min(self.gpu_nodes or 1, self.cpu_nodes or 1) < 1:
             raise ValueError("cluster.gpu_nodes and cluster.cpu_nodes: >= 1, or null")
+        for name in ("nvlink_gbps", "ib_gbps", "pcie_gbps", "message_latency_us"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"cluster.{name}: must be > 0, or null (not known)")
         for name in ("rollout_port", "reward_port", "environment_port", "master_port",
                      "rollout_master_port"):
             if not 0 < getattr(self, name) < 65536:
                 raise ValueError(f"cluster.{name}: expected a port in 1..65535")
-        # The SLURM script's own rules (launchers.slurm.SlurmConfig), at start-up
-        # rather than at submission.
+        # The SLURM script's own rules, at start-up rather than at submission.
         if self.mem_per_cpu is not None and not MEM_PER_CPU.match(self.mem_per_cpu):
             raise ValueError(f"cluster.mem_per_cpu={self.mem_per_cpu!r}: expected e.g. 4000, 4G")
         if self.signal_seconds < 0 or self.grace_s < 0:
             raise ValueError("cluster.signal_seconds and cluster.grace_s must be >= 0")
         if self.checkpoint_write_gbps is not None and self.checkpoint_write_gbps <= 0:
             raise ValueError("cluster.checkpoint_write_gbps: > 0 (GB/s), or null")
+
+    def partition(self, stage: str) -> str | None:
+        """The partition of a stage's het group (None: the cluster's default); the
+        environment servers run on the reward servers' CPU nodes."""
+        return {"trainer": self.trainer_partition, "rollout": self.rollout_partition,
+                "reward": self.reward_partition, "environment": self.reward_partition}[stage]
 
 
 @dataclass
@@ -318,7 +352,13 @@ def check_domains(cfg: RunConfig) -> None:
 def load_run_config(overrides: list[str], world_size: int | None = None) -> RunConfig:
     """The typed run config; dp is derived from `world_size` (default: the launcher's
     trainer ranks) unless `parallel.dp` is given."""
-    data = compose(overrides)
+    return typed_run_config(compose(overrides), world_size)
+
+
+def typed_run_config(composed: dict[str, Any], world_size: int | None = None) -> RunConfig:
+    """A composed configuration (`compose`) as the typed run config: every group checked
+    (unknown keys, wrong types, each schema's own rules), nothing started."""
+    data = dict(composed)
     apply_model_from(data)
     # `resume=...` is a shorthand the YAML copies into checkpoint.resume (an interpolation).
     data.pop("resume", None)

@@ -33,7 +33,7 @@ def from_dict[T](cls: type[T], data: Any, path: str = "") -> T:
             f"{where}{unknown[0]}: unknown key for {cls.__name__}; known keys: "
             f"{', '.join(sorted(fields))}"
         )
-    hints = get_type_hints(cls)
+    hints = {**get_type_hints(cls), **_dependent_types(cls, data, path)}
     values: dict[str, Any] = {}
     for name, value in data.items():
         values[name] = _convert(hints[name], value, _join(path, name))
@@ -41,10 +41,64 @@ def from_dict[T](cls: type[T], data: Any, path: str = "") -> T:
         return cls(**values)
     except ConfigError:
         raise
-    except ValueError as err:  # a schema's own check; its message names the field already
-        raise ConfigError(str(err)) from err
+    except ValueError as err:  # a schema's own check
+        raise _named(path, err) from err
     except TypeError as err:
         raise ConfigError(f"{path or 'config'}: {err}") from err
+
+
+def defaults_of(cls: type) -> dict[str, Any]:
+    """The fields of dataclass `cls` that have defaults, as plain data (a nested group:
+    its own defaults): what a YAML file of that group need not repeat. A field whose type
+    another field chooses (`field_types`) starts empty, for the chosen class to fill."""
+    assert dataclasses.is_dataclass(cls)
+    hints = get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.name in _open_fields(cls):
+            out[f.name] = {}
+        elif f.default is not dataclasses.MISSING:
+            out[f.name] = _plain(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = _plain(f.default_factory())
+        elif dataclasses.is_dataclass(hints[f.name]):  # a required group
+            out[f.name] = defaults_of(typing.cast(type, hints[f.name]))
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        open_fields = _open_fields(type(value))
+        return {f.name: {} if f.name in open_fields else _plain(getattr(value, f.name))
+                for f in dataclasses.fields(value) if f.init}
+    return to_dict(value)
+
+
+def _open_fields(cls: type) -> set[str]:
+    chooser = getattr(cls, "field_types", None)
+    return set(chooser({})) if chooser is not None else set()
+
+
+def _dependent_types(cls: type, data: dict[str, Any], path: str) -> dict[str, Any]:
+    """Types of fields that other fields choose: a dataclass may define
+    `field_types(data) -> {name: type}` (e.g. the `rl` group types `objective_args` by
+    `objective`); a ValueError there names the choosing field."""
+    chooser = getattr(cls, "field_types", None)
+    if chooser is None:
+        return {}
+    try:
+        chosen: dict[str, Any] = chooser(data)
+    except ValueError as err:
+        raise _named(path, err) from err
+    return chosen
+
+
+def _named(path: str, err: ValueError) -> ConfigError:
+    """A schema's own error; prefixed with the field's path unless the message names it."""
+    message = str(err)
+    return ConfigError(message if not path or path in message else f"{path}: {message}")
 
 
 def to_dict(obj: Any) -> Any:

@@ -34,10 +34,10 @@ from moerl.models.build import build_model
 from moerl.models.weights import save_weights
 from moerl.parallel.groups import destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
+from moerl.rl.config import RLConfig
 from moerl.rl.critic import Critic
 from moerl.rl.critic_config import CriticConfig
-from moerl.rl.losses import build_objective
-from moerl.rl.policy import Policy, PolicyConfig
+from moerl.rl.policy import Policy
 
 CRITIC = CriticConfig(head_init_std=0.05, value_clip=0.02)
 
@@ -78,9 +78,9 @@ def run(args: argparse.Namespace, layout: ParallelLayout) -> dict[str, Any]:
         moe_logging.destroy_moe_metrics_tracker()
     torch.manual_seed(99)  # the loaded weights must not depend on this
     policy = Policy.build(
-        TINY, layout, PARITY_OPTIM, build_objective("ppo_clip"), groups,
-        PolicyConfig(token_budget=48, token_advantages="gae", kl_in_reward=0.05,
-                     gae_gamma=0.99, gae_lambda=0.9),
+        TINY, layout, PARITY_OPTIM, groups,
+        RLConfig(objective="ppo_clip", token_budget=48, advantage="gae", kl_in_reward=0.05,
+                 gae_gamma=0.99, gae_lambda=0.9),
         weights=args.ckpt,
     )
     critic = policy.critic = Critic.build(TINY, layout, PARITY_OPTIM, groups, CRITIC,

@@ -1,8 +1,9 @@
-"""The trainer side of the SGLang and vLLM weight stream tests: one rank, the tiny
-model with the latent norms the Hugging Face layout has, versions 1 (the start: an HF
-export on disk) and 2 (streamed in the `--engine`'s protocol to a server of
-`--server-ranks` ranks) pushed to the server at `--url`; then the weights of version 2
-exported to `--expect` for the test to compare with."""
+"""The trainer side of the SGLang and vLLM weight stream tests: a `--tp` x `--ep`
+trainer of the tiny model with the latent norms the Hugging Face layout has, versions
+1 (the start: an HF export on disk) and 2 (streamed in the `--engine`'s protocol to a
+server of `--server-ranks` ranks, rank 0 assembling each tensor from the ranks that own
+its pieces) pushed to the server at `--url`; then the weights of version 2 exported to
+`--expect` for the test to compare with."""
 
 from __future__ import annotations
 
@@ -32,10 +33,13 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--engine", default="sglang", choices=["sglang", "vllm"])
     parser.add_argument("--server-ranks", default=1, type=int)
+    parser.add_argument("--tp", default=1, type=int)
+    parser.add_argument("--ep", default=1, type=int)
     args = parser.parse_args()
-    init_parallel(ParallelLayout(), seed=5)
-    policy = Trained(ARCH, list(build_model(ARCH, ParallelLayout())))
-    engines = RolloutClient([args.url], engine=args.engine)
+    layout = ParallelLayout.for_world(args.tp * args.ep, tp=args.tp, ep=args.ep)
+    groups = init_parallel(layout, seed=5)
+    policy = Trained(ARCH, list(build_model(ARCH, layout)))
+    engines = RolloutClient([args.url], engine=args.engine) if groups.rank == 0 else None
     sync = build_weight_sync(args.engine, args.root, engines, mode="memory", arch=ARCH,
                              dtype="bfloat16", server_ranks=args.server_ranks)
     sync.push(policy, 1)
@@ -44,7 +48,8 @@ def main() -> None:
             param.mul_(1.01)
     sync.push(policy, 2)
     export_hf(policy.chunks, ARCH, args.expect, dtype=torch.bfloat16)
-    args.out.write_text(json.dumps({"streamed": getattr(sync, "streamed", 0)}))
+    if groups.rank == 0:
+        args.out.write_text(json.dumps({"streamed": getattr(sync, "streamed", 0)}))
     destroy_parallel()
 
 

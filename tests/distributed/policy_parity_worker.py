@@ -11,11 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe import moe_logging
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the policy probe
+from policy_logprobs import completion_logprobs
 
 from moerl.data.rl_batch import RLSample
 from moerl.models.arch import TINY
@@ -23,8 +27,9 @@ from moerl.models.build import build_model
 from moerl.models.weights import save_weights
 from moerl.parallel.groups import destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
-from moerl.rl.losses import GRPOConfig, build_objective
-from moerl.rl.policy import Policy, PolicyConfig
+from moerl.rl.config import RLConfig
+from moerl.rl.losses import GRPOConfig
+from moerl.rl.policy import Policy
 from moerl.trainer.config import OptimConfig
 
 
@@ -50,14 +55,14 @@ def run(layout: ParallelLayout, ckpt: Path, save: bool) -> dict[str, object]:
         moe_logging.destroy_moe_metrics_tracker()
     torch.manual_seed(99)  # the loaded weights must not depend on this
     policy = Policy.build(
-        TINY, layout, OptimConfig(lr=1e-3, clip_grad=1.0),
-        build_objective("grpo", GRPOConfig(kl_coef=0.04, entropy_coef=0.01)), groups,
-        PolicyConfig(token_budget=48), weights=ckpt,
+        TINY, layout, OptimConfig(lr=1e-3, clip_grad=1.0), groups,
+        RLConfig(objective_args=GRPOConfig(kl_coef=0.04, entropy_coef=0.01), token_budget=48),
+        weights=ckpt,
     )
     batch = samples()
-    before = policy.completion_logprobs(batch)
+    before = completion_logprobs(policy, batch)
     metrics = policy.update(batch)
-    after = policy.completion_logprobs(batch)
+    after = completion_logprobs(policy, batch)
     dist.barrier()
     result = {
         "layout": layout.describe(), "rank": groups.rank,

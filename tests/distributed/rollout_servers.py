@@ -36,9 +36,10 @@ def publish(model_seed: int, directory: Path) -> Path:
 
 
 @contextmanager
-def rollout_server(tmp: Path, ranks: int, flags: list[str], weights: Path
-                   ) -> Iterator[RolloutClient]:
-    """A server on `ranks` ranks from `weights`; SIGTERM at the end must stop every rank."""
+def rollout_server(tmp: Path, ranks: int, flags: list[str], weights: Path,
+                   pids: list[int] | None = None) -> Iterator[RolloutClient]:
+    """A server on `ranks` ranks from `weights`; SIGTERM at the end must stop every rank.
+    `pids` receives the pid of the server's launcher (torchrun, or the server itself)."""
     rendezvous = tmp / f"rendezvous-{len(list(tmp.iterdir()))}"
     serve = ["-m", "moerl.launchers.cli", "serve", "rollout", "--port", "0", "--backend",
              "static", "--weights", str(weights), "--rendezvous-dir", str(rendezvous), *flags]
@@ -48,6 +49,8 @@ def rollout_server(tmp: Path, ranks: int, flags: list[str], weights: Path
     log = open(tmp / f"{rendezvous.name}.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen([*launcher, *serve], env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
+    if pids is not None:
+        pids.append(proc.pid)
 
     def alive() -> None:
         if proc.poll() is not None:

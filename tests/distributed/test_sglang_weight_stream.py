@@ -2,7 +2,8 @@
 speaks SGLang's protocol (`/update_weights_from_disk`, `/init_weights_update_group`,
 `/update_weights_from_distributed`): it really joins the trainer's weight group and
 receives every announced tensor, one broadcast each, as SGLang does; the test then
-checks that it got exactly the Hugging Face export of the same weights."""
+checks that it got exactly the Hugging Face export of the same weights. The trainer
+runs at TP2: rank 0 assembles each tensor from both ranks' halves before it goes out."""
 
 from __future__ import annotations
 
@@ -77,9 +78,9 @@ def test_sglang_protocol_stream_carries_the_hf_export(stand_in: tuple[StandIn, s
                                                       tmp_path: Path) -> None:
     server, url = stand_in
     out = tmp_path / "report.json"
-    report = run_worker(WORKER, 1, ["--url", url, "--root", str(tmp_path / "weights"),
-                                    "--expect", str(tmp_path / "expect"), "--out", str(out)],
-                        out)
+    report = run_worker(WORKER, 2, ["--url", url, "--root", str(tmp_path / "weights"),
+                                    "--expect", str(tmp_path / "expect"), "--out", str(out),
+                                    "--tp", "2"], out)
     assert report == {"streamed": 1}
     assert server.from_disk == [str(tmp_path / "weights" / "v000001")]  # the start: by disk
     assert server.versions == ["2"]

@@ -6,7 +6,8 @@ has what vLLM's has (`rank`, `device`, `model_runner.model.load_weights`). Two
 workers (tensor parallel 2) really join the trainer's weight group, receive every
 tensor and load it; the test checks each got exactly the Hugging Face export of the
 same weights, after the first version came by disk (`update_config`,
-`reload_weights`) and each version was followed by `/reset_prefix_cache`."""
+`reload_weights`) and each version was followed by `/reset_prefix_cache`. The trainer
+runs at EP2: each rank owns half the experts, which rank 0 receives before they go out."""
 
 from __future__ import annotations
 
@@ -94,9 +95,10 @@ def test_vllm_workers_receive_the_hf_export(stand_in: tuple[StandIn, str],
                                             tmp_path: Path) -> None:
     server, url = stand_in
     out = tmp_path / "report.json"
-    report = run_worker(WORKER, 1, [
+    report = run_worker(WORKER, 2, [
         "--url", url, "--root", str(tmp_path / "weights"), "--expect", str(tmp_path / "expect"),
-        "--out", str(out), "--engine", "vllm", "--server-ranks", str(TENSOR_PARALLEL)], out)
+        "--out", str(out), "--engine", "vllm", "--server-ranks", str(TENSOR_PARALLEL),
+        "--ep", "2"], out)
     assert report == {"streamed": 1}
     assert server.calls == ["update_config", "reload_weights", "reset_prefix_cache",
                             "moerl_join_weight_group", "moerl_update_weights",

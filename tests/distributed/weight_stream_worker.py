@@ -46,7 +46,7 @@ def main() -> None:
     policy = Trained(TINY, list(build_model(TINY, layout)))
     engines = RolloutClient(args.urls.split(",")) if groups.rank == 0 else None
     sync = MemoryWeightSync(FilesystemWeightSync(args.root, engines, keep=2), engines, TINY,
-                            bucket_bytes=1 << 20)
+                            staging_bytes=2 << 20)
     sync.push(policy, 1)
     with torch.no_grad():  # a new version: the same change on every replica
         for param in policy.chunks[0].parameters():

@@ -38,10 +38,12 @@ def reward_command(rendezvous: Path, port: int = 0) -> list[str]:
 
 
 @contextmanager
-def started(argv: list[str], rendezvous: Path, stage: str) -> Iterator[subprocess.Popen[bytes]]:
+def started(argv: list[str], rendezvous: Path, stage: str, env: dict[str, str] | None = None
+            ) -> Iterator[subprocess.Popen[bytes]]:
     """Run `argv` until it announces a `stage` endpoint in `rendezvous` (a directory of
-    its own); yield the process; stop it afterwards (SIGTERM, then SIGKILL) if it runs."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    its own); yield the process; stop it afterwards (SIGTERM, then SIGKILL) if it runs.
+    `env`: variables set for it on top of this process's."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     assert not read_endpoints(rendezvous, stage), f"{rendezvous} has a {stage} endpoint already"
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

@@ -26,7 +26,7 @@ from moerl.agent.scheduler import AgentScheduler, SchedulerConfig
 from moerl.agent.tasks import SUBMIT, ScriptedPolicy, TaskCase, generate_tasks, tagged
 from moerl.agent.terminal import TerminalEnvironment
 from moerl.agent.tools import ToolCall
-from moerl.agent.trajectory import Trajectory, training_records
+from moerl.agent.trajectory import Trajectory
 from moerl.data.rl_batch import pack, plan_microbatches
 from moerl.data.tokenizer import ByteTokenizer
 from moerl.rollout.client import RolloutClient
@@ -64,8 +64,8 @@ def test_scripted_policy_solves_every_family(sandbox: Sandbox) -> None:
         assert traj.status == "submitted", (traj.task_id, traj.infra_error)
         assert traj.reward == 1.0 and traj.env_faults == 0, traj.task_id
         assert traj.model_turns == len(case.solution)
-    records, infra = training_records(trajs)
-    assert not infra and all(r.reward == 1.0 for r in records)
+    records = [t.to_record() for t in trajs]
+    assert all(r.reward == 1.0 for r in records)
     fix = TOK.decode(list(records[1].completion_ids))
     assert "SyntaxError" in fix and "exit code: 1" in fix  # the failed step was observed
 
@@ -144,7 +144,8 @@ def test_faults_on_every_step_end_as_infra_failure(sandbox: Sandbox) -> None:
     factory = lambda: DeletingEnvironment(sandbox, set(range(1, 50)))  # noqa: E731
     (traj,) = _run(sandbox, {case.task.id: case.solution}, [case], factory, max_env_faults=2)
     assert traj.status == "infra_failure" and traj.reward is None and traj.env_faults == 3
-    assert training_records([traj])[0] == []
+    with pytest.raises(ValueError, match="infra failure"):
+        traj.to_record()  # no reward: never a training sample
 
 
 @pytest.fixture(scope="module")

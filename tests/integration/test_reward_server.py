@@ -102,10 +102,8 @@ def server(
 
 
 def client(rendezvous: Path, **kw: Any) -> RewardClient:
-    cfg = RewardClientConfig(
-        rendezvous_dir=rendezvous, backoff_base_s=0.05, backoff_cap_s=0.2, **kw
-    )
-    return RewardClient(cfg, seed=0)
+    cfg = RewardClientConfig(backoff_base_s=0.05, backoff_cap_s=0.2, **kw)
+    return RewardClient(cfg, rendezvous_dir=rendezvous, seed=0)
 
 
 PRINTS_OK = {"language": "python", "cases": [{"input": "", "output": "ok"}]}

@@ -88,9 +88,9 @@ def test_reward_batch_moves_to_another_server_when_its_server_dies(tmp_path: Pat
     with started(reward_command(dirs[0]), dirs[0], "reward") as a, \
             started(reward_command(dirs[1]), dirs[1], "reward"):
         urls = tuple(f"http://{(d / 'reward' / '0.addr').read_text().strip()}" for d in dirs)
-        client = RewardClient(RewardClientConfig(urls=urls, batch_size=2, max_in_flight=4,
+        client = RewardClient(RewardClientConfig(batch_size=2, max_in_flight=4,
                                                  backoff_base_s=0.05, backoff_cap_s=0.2,
-                                                 timeout_s=60), seed=0)
+                                                 timeout_s=60), urls=urls, seed=0)
         spec = {"language": "python", "cases": [{"input": "", "output": "ok"}]}
         items = [ScoreItem("stdio", PRINT_AFTER_A_WHILE + f"# {i}\n", spec) for i in range(8)]
         # The sandboxes of the first server are running (each item sleeps 1 s): kill it.

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from moerl.config import load_run_config
+from moerl.config import ClusterConfig, load_run_config
 from moerl.launchers import slurm
 from moerl.launchers.plan import build_run_plan
 from moerl.launchers.slurm_run import slurm_job
@@ -93,14 +93,13 @@ def _script(path: Path, text: str) -> str:
     return str(path)
 
 
-def _cfg(**kw: object) -> slurm.SlurmConfig:
-    base: dict[str, object] = dict(
-        partitions={"trainer": "gpu", "reward": "cpu"}, time="00:05:00", mem_per_cpu="200M",
-        signal_seconds=60, master_addr="127.0.0.1", advertise_host="127.0.0.1",
-        torchrun=(PY, "-m", "torch.distributed.run"), grace=3, startup_timeout=60,
+def _cfg() -> slurm.SlurmConfig:
+    cluster = ClusterConfig(
+        trainer_partition="gpu", reward_partition="cpu", time="00:05:00", mem_per_cpu="200M",
+        signal_seconds=60, master_addr="127.0.0.1", advertise_host="127.0.0.1", grace_s=3,
     )  # fmt: skip
-    base.update(kw)
-    return slurm.SlurmConfig(**base)  # type: ignore[arg-type]
+    return slurm.SlurmConfig(cluster, torchrun=(PY, "-m", "torch.distributed.run"),
+                             startup_timeout=60)
 
 
 def _plan(tmp: Path, trainer: StageSpec, reward: StageSpec | None) -> RunPlan:
@@ -192,9 +191,9 @@ def _big_plan(tmp: Path, trainer_nodes: int = 64, gpus: int = 8) -> RunPlan:
 
 
 def test_test_only_large_cluster(slurm_cloud: dict[str, str], tmp_path: Path) -> None:
-    cfg = slurm.SlurmConfig(
-        partitions={"trainer": "h100", "rollout": "h100", "reward": "cpu"}, mem_per_cpu="8G"
-    )
+    cfg = slurm.SlurmConfig(ClusterConfig(
+        trainer_partition="h100", rollout_partition="h100", reward_partition="cpu",
+        mem_per_cpu="8G"))
     verdict = slurm.test_only(slurm.render_sbatch(_big_plan(tmp_path), cfg), env=slurm_cloud)
     assert "to start at" in verdict and "gpu[001-" in verdict, verdict
     with pytest.raises(slurm.SlurmError, match="Node count specification invalid"):

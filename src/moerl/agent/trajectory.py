@@ -153,13 +153,6 @@ class Trajectory:
         )  # fmt: skip
 
 
-def training_records(trajectories: Sequence[Trajectory], **kw: bool
-                     ) -> tuple[list[AgentSample], list[Trajectory]]:  # fmt: skip
-    """(records of scored episodes, infra failures kept apart for reporting)."""
-    scored = [t for t in trajectories if not t.is_infra_failure]
-    return [t.to_record(**kw) for t in scored], [t for t in trajectories if t.is_infra_failure]
-
-
 def cut_tokens(ids: list[int], limit: int, marker: list[int]) -> tuple[list[int], bool]:
     """`ids` within `limit` tokens: head + marker + tail (the tail usually holds the
     error). Returns (ids, was_cut)."""

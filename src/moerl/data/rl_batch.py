@@ -86,6 +86,9 @@ class RLMicroBatch:
     rollout_logprobs: torch.Tensor | None  # (B, T), 0 off the completion
     routed_experts: torch.Tensor | None  # (layers, B, T, topk) int64 for the input tokens
     sample_index: list[int]  # global index of each real row's sample (len <= B)
+    token_versions: torch.Tensor | None = None
+    """(B, T) int64: the weight version that sampled each completion token (a partial
+    rollout's tokens may come from two), -1 elsewhere."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -160,6 +163,7 @@ def _pack_rows(
     valid = torch.zeros(b, t, dtype=torch.bool)
     adv = torch.zeros(b, t) if per_token else torch.zeros(b)
     rollout = torch.zeros(b, t) if with_rollout else None
+    versions = torch.full((b, t), -1, dtype=torch.int64)
     routing = None
     if with_routing:
         layers, _, topk = samples[0].routed_experts.shape  # type: ignore[union-attr]
@@ -179,7 +183,9 @@ def _pack_rows(
             adv[row] = float(s.advantage)
         if rollout is not None:
             rollout[row, done] = s.rollout_logprobs.float()  # type: ignore[union-attr]
+        versions[row, done] = s.weight_version if s.token_versions is None else s.token_versions
         if routing is not None:
             routing[:, row, :n] = s.routed_experts[:, :n].long()  # type: ignore[index]
     positions = torch.arange(t, dtype=torch.int64).expand(b, t).contiguous()
-    return RLMicroBatch(tokens, labels, positions, mask, valid, adv, rollout, routing, rows)
+    return RLMicroBatch(tokens, labels, positions, mask, valid, adv, rollout, routing, rows,
+                        versions)

@@ -2,8 +2,9 @@
 
 The resources each stage needs (nodes, GPUs, replicas) come from the `launcher`,
 `rollout` and `rewards` groups; this group holds what depends on the cluster
-(partitions, account, limits, the lines that prepare a node) and is turned into
-`slurm.SlurmConfig` by `slurm_config`. The local launcher ignores it.
+(partitions, account, limits, the lines that prepare a node) and reaches the batch
+script unchanged, inside `slurm.SlurmConfig` (`slurm_config`). The local launcher
+ignores it.
 """
 
 from __future__ import annotations
@@ -19,25 +20,11 @@ from moerl.launchers.stages import RunPlan
 def slurm_config(
     cluster: ClusterConfig, job_name: str, startup_timeout_s: float, python: str | None
 ) -> SlurmConfig:
-    """The SlurmConfig the sbatch script is rendered with."""
-    partitions = {
-        stage: part
-        for stage, part in (("trainer", cluster.trainer_partition),
-                            ("rollout", cluster.rollout_partition),
-                            ("reward", cluster.reward_partition),
-                            ("environment", cluster.reward_partition))  # CPU nodes too
-        if part
-    }  # fmt: skip
+    """The SlurmConfig the sbatch script is rendered with: the group itself, and the job
+    name, torchrun command and start-up timeout its defaults leave to the run."""
     torchrun = tuple(cluster.torchrun) or (python or sys.executable, "-m", "torch.distributed.run")
-    return SlurmConfig(
-        partitions=partitions, account=cluster.account, time=cluster.time,
-        mem_per_cpu=cluster.mem_per_cpu, signal_seconds=cluster.signal_seconds,
-        requeue=cluster.requeue, job_name=cluster.job_name or job_name,
-        master_port=cluster.master_port, master_addr=cluster.master_addr,
-        server_master_port=cluster.rollout_master_port,
-        advertise_host=cluster.advertise_host, torchrun=torchrun, setup=tuple(cluster.setup),
-        startup_timeout=max(int(startup_timeout_s), 1), grace=cluster.grace_s,
-    )  # fmt: skip
+    return SlurmConfig(cluster, job_name=cluster.job_name or job_name, torchrun=torchrun,
+                       startup_timeout=max(int(startup_timeout_s), 1))
 
 
 def with_cluster_ports(plan: RunPlan, cluster: ClusterConfig) -> RunPlan:

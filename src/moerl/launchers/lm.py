@@ -98,7 +98,7 @@ class _WithLayout(Protocol):
 def load_with_layout[C: _WithLayout](overrides: list[str], config_name: str,
                                      schema: type[C]) -> C:
     """configs/<config_name>.yaml as `schema`, its layout derived and checked at start."""
-    data = compose(overrides, config_name=config_name)
+    data = compose(overrides, config_name=config_name, schema=schema)
     apply_model_from(data)
     layout = layout_for_world(data.pop("parallel"))
     cfg = from_dict(schema, {**data, "parallel": {}}, "")

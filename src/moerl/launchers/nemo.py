@@ -43,6 +43,7 @@ from moerl.launchers.slurm import (
     DEFAULT_PORTS,
     SlurmConfig,
     _resources,
+    cluster_addresses,
     master_port_export,
     step_command,
 )
@@ -97,16 +98,12 @@ def _setup_lines(plan: RunPlan, cfg: SlurmConfig, trainer_group: int | None) -> 
     rdv, logs = shlex.quote(str(plan.rendezvous_dir)), shlex.quote(str(plan.log_dir))
     lines = [f"export {ENV_RENDEZVOUS}={rdv}/$SLURM_JOB_ID",
              f'rm -rf "${ENV_RENDEZVOUS}"; mkdir -p "${ENV_RENDEZVOUS}" {logs}']
-    if cfg.advertise_host:
-        lines.append(f"export MOERL_ADVERTISE_HOST={shlex.quote(cfg.advertise_host)}")
-    if cfg.master_addr:
-        lines.append(f"export MOERL_MASTER_ADDR={shlex.quote(cfg.master_addr)}")
-    lines += list(cfg.setup)
+    lines += [*cluster_addresses(cfg.cluster), *cfg.cluster.setup]
     nodelist = ("$SLURM_JOB_NODELIST" if trainer_group is None else
                 f"${{SLURM_JOB_NODELIST_HET_GROUP_{trainer_group}:-$SLURM_JOB_NODELIST}}")
     lines += [f'MASTER_NODE=$(scontrol show hostnames "{nodelist}" | head -n 1)',
               'export MASTER_ADDR="${MOERL_MASTER_ADDR:-$MASTER_NODE}"',
-              master_port_export(cfg.master_port)]
+              master_port_export(cfg.cluster.master_port)]
     return "\n".join(lines)
 
 
@@ -123,14 +120,15 @@ def slurm_executors(
     stages = nemo_stages(plan)
     het = len(stages) > 1
     any_gpus = any(s.gpus_per_node for s in stages)
+    cluster = cfg.cluster
     common: dict[str, Any] = dict(
-        account=cfg.account,  # None: no --account line (nemo-run skips None options)
-        partition=cfg.partitions.get("trainer"), job_name_prefix=f"{cfg.job_name}-",
-        time=cfg.time, mem_per_cpu=cfg.mem_per_cpu,
+        account=cluster.account,  # None: no --account line (nemo-run skips None options)
+        partition=cluster.partition("trainer"), job_name_prefix=f"{cfg.job_name}-",
+        time=cluster.time, mem_per_cpu=cluster.mem_per_cpu,
         cpus_per_task=max(s.cpus for s in stages),
-        signal=f"USR1@{cfg.signal_seconds}" if cfg.signal_seconds else None,
-        additional_parameters={"requeue": True} if cfg.requeue else {"no_requeue": True},
-        retries=retries if cfg.requeue else 0,
+        signal=f"USR1@{cluster.signal_seconds}" if cluster.signal_seconds else None,
+        additional_parameters={"requeue": True} if cluster.requeue else {"no_requeue": True},
+        retries=retries if cluster.requeue else 0,
         heterogeneous=het, wait_time_for_group_job=group_wait_s,
         setup_lines=_setup_lines(plan, cfg, stages.index(plan.trainer) if het else None),
         tunnel=run.LocalTunnel(job_dir=job_dir or str(plan.log_dir.parent / "nemo")),

@@ -290,7 +290,8 @@ def render_recipe(stem: str, site: Site | None = None, run_dir: Path | None = No
         f"json.dump(dataclasses.asdict(get_preset(sys.argv[1])), sys.stdout)' "
         f"{recipe.model} > {run_dir / 'arch.json'}"
     )
-    cfg = dataclasses.replace(cfg, setup=(*cfg.setup, write_arch))
+    setup = [*cfg.cluster.setup, write_arch]
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, setup=setup))
     plan = run_plan(recipe, run_dir, site, extra)
     script = render_sbatch(with_cluster_ports(plan, site.cluster), cfg)
     # sbatch reads #SBATCH lines up to the first command, so a comment may go first.

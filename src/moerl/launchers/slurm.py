@@ -26,7 +26,7 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from moerl.config import MEM_PER_CPU
+from moerl.config import ClusterConfig
 from moerl.launchers.slurm_shell import FINISH, FUNCTIONS, PREAMBLE
 from moerl.launchers.stages import RunPlan, StageSpec
 from moerl.rendezvous import ENV_HOST, ENV_INDEX, ENV_PORT, ENV_STAGE, REQUEUE_EXIT_CODE
@@ -43,39 +43,20 @@ class SlurmError(RuntimeError):
 
 @dataclass(frozen=True)
 class SlurmConfig:
-    """Cluster-side options; what each stage needs comes from its StageSpec."""
+    """What the batch script is rendered with: the `cluster` group as the run read it,
+    and what the rest of the run decides (`cluster.slurm_config` resolves these)."""
 
-    partitions: Mapping[str, str] = field(default_factory=dict)
-    """stage name -> partition; a stage not named uses the cluster's default."""
-    account: str | None = None
-    time: str = "04:00:00"
-    mem_per_cpu: str | None = None
-    """e.g. "4G", applied to every component (the only memory option used)."""
-    signal_seconds: int = 600
-    """USR1 to the batch shell this long before the time limit; 0 sends none."""
-    requeue: bool = True
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     job_name: str = "moerl"
-    master_port: int = 29500
-    master_addr: str | None = None
-    """None: the first node of the trainer group, by name."""
-    server_master_port: int = 29600
-    """torchrun port of a server across ranks (rollout engines): + replica."""
-    advertise_host: str | None = None
-    """address servers announce; None: each node's `hostname`."""
+    """cluster.job_name, or the run directory's name."""
     torchrun: tuple[str, ...] = ("torchrun",)
-    setup: tuple[str, ...] = ()
-    """shell lines run before any step (module load, venv activation)."""
+    """cluster.torchrun, or `<launcher.python> -m torch.distributed.run`."""
     startup_timeout: int = 1800
-    grace: int = 30
+    """launcher.startup_timeout_s: how long the batch shell waits for the servers."""
 
     def __post_init__(self) -> None:
-        if self.mem_per_cpu is not None and not MEM_PER_CPU.match(self.mem_per_cpu):
-            raise ValueError(f"mem_per_cpu={self.mem_per_cpu!r}: expected e.g. 4000, 4G")
-        unknown = set(self.partitions) - set(_GROUP_ORDER)
-        if unknown:
-            raise ValueError(f"partitions: unknown stage(s) {sorted(unknown)}")
-        if self.signal_seconds < 0 or self.grace < 0 or self.startup_timeout < 1:
-            raise ValueError("signal_seconds, grace must be >= 0 and startup_timeout >= 1")
+        if self.startup_timeout < 1:
+            raise ValueError("startup_timeout: must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -99,21 +80,23 @@ def _resources(stage: StageSpec) -> list[str]:
 
 
 def _component(stage: StageSpec, cfg: SlurmConfig) -> list[str]:
-    part = [f"--partition={cfg.partitions[stage.name]}"] if stage.name in cfg.partitions else []
-    mem = [f"--mem-per-cpu={cfg.mem_per_cpu}"] if cfg.mem_per_cpu else []
+    partition, mem_per_cpu = cfg.cluster.partition(stage.name), cfg.cluster.mem_per_cpu
+    part = [f"--partition={partition}"] if partition else []
+    mem = [f"--mem-per-cpu={mem_per_cpu}"] if mem_per_cpu else []
     return [*part, *_resources(stage), *mem]
 
 
 def _header(plan: RunPlan, cfg: SlurmConfig) -> list[str]:
-    job = [f"--job-name={cfg.job_name}", f"--time={cfg.time}"]
-    if cfg.account:
-        job.append(f"--account={cfg.account}")
+    cluster = cfg.cluster
+    job = [f"--job-name={cfg.job_name}", f"--time={cluster.time}"]
+    if cluster.account:
+        job.append(f"--account={cluster.account}")
     # Append: a requeued run keeps the earlier attempt's output above its own.
     job += [f"--output={plan.log_dir}/slurm-%j.out", "--open-mode=append"]
-    if cfg.requeue:
+    if cluster.requeue:
         job.append("--requeue")
-    if cfg.signal_seconds:
-        job.append(f"--signal=B:USR1@{cfg.signal_seconds}")
+    if cluster.signal_seconds:
+        job.append(f"--signal=B:USR1@{cluster.signal_seconds}")
     lines: list[str] = []
     for i, stage in enumerate(_het_groups(plan)):
         if i:
@@ -178,7 +161,7 @@ def _ranked_server_inner(stage: StageSpec, cfg: SlurmConfig) -> str:
     span = stage.span
     launcher = " ".join(shlex.quote(a) for a in cfg.torchrun)
     # Each attempt of a requeued job on ports of its own, as the trainer's master port.
-    master_port = (f"$(({cfg.server_master_port} + REPLICA + {stage.replicas} * "
+    master_port = (f"$(({cfg.cluster.rollout_master_port} + REPLICA + {stage.replicas} * "
                    "${SLURM_RESTART_COUNT:-0}))")
     return (
         f"REPLICA=$((SLURM_NODEID / {span})); "
@@ -206,7 +189,7 @@ def _trainer_inner(stage: StageSpec, cfg: SlurmConfig) -> str:
             f"{launcher} --nnodes={stage.nodes} --node-rank=$SLURM_NODEID "
             f"--nproc-per-node={stage.ranks_per_node} --master-addr=$MASTER_ADDR "
             f"--master-port=$MASTER_PORT --signals-to-handle={_TORCHRUN_SIGNALS} "
-            f"--shutdown-timeout={max(cfg.signal_seconds, 30)} --no-python {command}"
+            f"--shutdown-timeout={max(cfg.cluster.signal_seconds, 30)} --no-python {command}"
         )
     return (
         f"export {ENV_STAGE}=trainer {ENV_INDEX}=$SLURM_NODEID {ENV_PORT}=0 "
@@ -226,11 +209,21 @@ def _trainer_step(stage: StageSpec, group: int | None, cfg: SlurmConfig) -> str:
     return "\n".join([
         f'MASTER_NODE=$(scontrol show hostnames "{nodelist}" | head -n 1)',
         'export MASTER_ADDR="${MOERL_MASTER_ADDR:-$MASTER_NODE}"',
-        master_port_export(cfg.master_port),
+        master_port_export(cfg.cluster.master_port),
         'echo "moerl: trainer master $MASTER_NODE ($MASTER_ADDR:$MASTER_PORT)" >&2',
         _srun(stage, group, cfg),
         "TRAINER_PID=$!",
     ])  # fmt: skip
+
+
+def cluster_addresses(cluster: ClusterConfig) -> list[str]:
+    """The batch shell's address exports, where the cluster sets them."""
+    lines = []
+    if cluster.advertise_host:
+        lines.append(f"export MOERL_ADVERTISE_HOST={shlex.quote(cluster.advertise_host)}")
+    if cluster.master_addr:
+        lines.append(f"export MOERL_MASTER_ADDR={shlex.quote(cluster.master_addr)}")
+    return lines
 
 
 def render_sbatch(plan: RunPlan, cfg: SlurmConfig) -> str:
@@ -241,17 +234,13 @@ def render_sbatch(plan: RunPlan, cfg: SlurmConfig) -> str:
     lines += [
         f"export MOERL_RENDEZVOUS_DIR={shlex.quote(str(plan.rendezvous_dir))}/$SLURM_JOB_ID",
         f"LOG_DIR={shlex.quote(str(plan.log_dir))}",
-        f"GRACE={cfg.grace} STARTUP_TIMEOUT={cfg.startup_timeout}",
-        f"REQUEUE={int(cfg.requeue)} REQUEUE_EXIT_CODE={REQUEUE_EXIT_CODE}",
+        f"GRACE={cfg.cluster.grace_s} STARTUP_TIMEOUT={cfg.startup_timeout}",
+        f"REQUEUE={int(cfg.cluster.requeue)} REQUEUE_EXIT_CODE={REQUEUE_EXIT_CODE}",
+        *cluster_addresses(cfg.cluster), FUNCTIONS.strip(), "",
+        # A requeued attempt must not find the previous attempt's (dead) servers.
+        'rm -rf "$MOERL_RENDEZVOUS_DIR"; mkdir -p "$MOERL_RENDEZVOUS_DIR" "$LOG_DIR"',
+        *cfg.cluster.setup,
     ]
-    if cfg.advertise_host:
-        lines.append(f"export MOERL_ADVERTISE_HOST={shlex.quote(cfg.advertise_host)}")
-    if cfg.master_addr:
-        lines.append(f"export MOERL_MASTER_ADDR={shlex.quote(cfg.master_addr)}")
-    lines += [FUNCTIONS.strip(), ""]
-    # A requeued attempt must not find the previous attempt's (dead) servers.
-    lines.append('rm -rf "$MOERL_RENDEZVOUS_DIR"; mkdir -p "$MOERL_RENDEZVOUS_DIR" "$LOG_DIR"')
-    lines += list(cfg.setup)
     for stage in plan.servers:
         lines += ["", _server_step(stage, groups.index(stage) if het else None, cfg)]
     for stage in plan.servers:

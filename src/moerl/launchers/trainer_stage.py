@@ -30,19 +30,17 @@ from moerl.models.weights_marker import is_complete
 from moerl.observability import MetricsLogger, read_metrics
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
 from moerl.rendezvous import ENV_RENDEZVOUS, read_endpoints, request_requeue
-from moerl.rewards.client import RewardClient, RewardClientConfig
+from moerl.rewards.client import RewardClient
 from moerl.rl.agent_collect import EPISODE, terminal_source
-from moerl.rl.config import PolicyConfig
 from moerl.rl.domains import domain_runs
 from moerl.rl.loop import Controller, train
-from moerl.rl.losses import build_objective, objective_config_class
 from moerl.rl.policy import Policy
 from moerl.rl.resume import RLCheckpoints
 from moerl.rl.weight_sync import build_weight_sync
-from moerl.rollout.client import ClientConfig, RolloutClient
+from moerl.rollout.client import RolloutClient
 from moerl.signals import STOP_SIGNALS, StopOnSignal, start_helpers_ignoring
 from moerl.trainer.sft import build_sft_trainable, run_sft
-from moerl.typed_config import from_dict, to_dict
+from moerl.typed_config import to_dict
 
 
 def sft_phase(cfg: RunConfig, groups: ParallelGroups, tok: Tokenizer,
@@ -63,12 +61,9 @@ def sft_phase(cfg: RunConfig, groups: ParallelGroups, tok: Tokenizer,
 def _controller(cfg: RunConfig, root: Path, records: list[PromptRecord],
                 held_out: list[PromptRecord], tok: Tokenizer) -> Controller:
     rendezvous = Path(os.environ.get(ENV_RENDEZVOUS, root / "rendezvous"))
-    engines = RolloutClient(rendezvous_dir=rendezvous,
-                            config=ClientConfig(timeout_s=cfg.rollout.request_timeout_s),
+    engines = RolloutClient(rendezvous_dir=rendezvous, config=cfg.rollout.client,
                             engine=cfg.rollout.engine)
-    judges = RewardClient(RewardClientConfig(
-        rendezvous_dir=rendezvous, batch_size=cfg.rewards.batch_size,
-        timeout_s=cfg.rewards.timeout_s), seed=cfg.rl.seed)
+    judges = RewardClient(cfg.rewards.client, rendezvous_dir=rendezvous, seed=cfg.rl.seed)
     data = cfg.data
     prompts: PromptStream | MixtureStream = (
         MixtureStream.of(records, data.mixture, data.seed, cfg.rl.difficulty_filter_epochs)
@@ -150,18 +145,9 @@ def build_policy(cfg: RunConfig, groups: ParallelGroups, weights: str | Path | N
                  recompute: RecomputeConfig) -> Policy:
     """The policy, its reference and, with `rl.advantage=gae`, PPO's critic: what every
     trainer rank builds (also `moerl rehearse`, on a fake rank)."""
-    objective_cfg = from_dict(objective_config_class(cfg.rl.objective),
-                              cfg.rl.objective_args, "rl.objective_args")
     policy = Policy.build(
-        cfg.model, cfg.parallel, cfg.optim, build_objective(cfg.rl.objective, objective_cfg),
-        groups, PolicyConfig(
-            token_budget=cfg.rl.token_budget, aux_losses=cfg.rl.aux_losses,
-            token_advantages=("reinforce_pp" if cfg.rl.advantage == "reinforce_pp" else
-                              "gae" if cfg.rl.advantage == "gae" else "none"),
-            kl_in_reward=cfg.rl.kl_in_reward, gae_gamma=cfg.rl.gae_gamma,
-            gae_lambda=cfg.rl.gae_lambda),
-        weights=weights, reference_weights=reference_weights,
-        precision=precision, recompute=recompute,
+        cfg.model, cfg.parallel, cfg.optim, groups, cfg.rl, weights=weights,
+        reference_weights=reference_weights, precision=precision, recompute=recompute,
     )
     if cfg.rl.advantage == "gae":  # PPO's critic; a resume then loads it from the checkpoint
         from moerl.rl.critic import Critic
@@ -218,7 +204,8 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
                              keep=cfg.rl.keep_weight_versions,
                              hf_model_dir=cfg.rollout.hf_model_dir, dtype=cfg.rollout.dtype,
                              mode=cfg.rl.weight_sync, arch=policy.arch,
-                             bucket_mb=cfg.rl.weight_sync_bucket_mb,
+                             staging_bytes=cfg.rl.weight_sync_staging_bytes,
+                             timeout_s=cfg.rl.weight_sync_timeout_s,
                              server_ranks=cfg.rollout.tensor_parallel
                              * cfg.rollout.pipeline_parallel,
                              initial=_first_version(ckpt, start))

@@ -117,7 +117,7 @@ def local_tensors(chunk: torch.nn.Module, arch: MoEArch) -> Iterator[tuple[str, 
         yield name, tensor
 
 
-def _tp_split(name: str, tensor: torch.Tensor) -> tuple[int, int, dist.ProcessGroup | None]:
+def tp_split(name: str, tensor: torch.Tensor) -> tuple[int, int, dist.ProcessGroup | None]:
     """(size, rank, group) of the tensor-parallel split this tensor is cut by."""
     if not getattr(tensor, "tensor_model_parallel", False):
         return 1, 0, None
@@ -128,34 +128,34 @@ def _tp_split(name: str, tensor: torch.Tensor) -> tuple[int, int, dist.ProcessGr
             ps.get_tensor_model_parallel_group())
 
 
-def _is_glu(name: str) -> bool:
+def is_glu(name: str) -> bool:
     # Each rank holds [gate slice; up slice] of a gated fc1, not a slice of [gate; up].
     return name.endswith("linear_fc1.weight")
 
 
 def held_whole(name: str, local: torch.Tensor) -> bool:
     """Does this rank hold the whole tensor `name` (no tensor-parallel cut)?"""
-    return _tp_split(name, local)[0] == 1
+    return tp_split(name, local)[0] == 1
 
 
 def shard(name: str, full: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    size, rank, _ = _tp_split(name, local)
+    size, rank, _ = tp_split(name, local)
     if size == 1:
         return full
     dim = int(local.partition_dim)  # type: ignore[attr-defined]
-    if _is_glu(name):
+    if is_glu(name):
         return torch.cat([half.chunk(size, dim)[rank] for half in full.chunk(2, dim)], dim)
     return full.chunk(size, dim)[rank]
 
 
 def _unshard(name: str, local: torch.Tensor, copy: bool = True) -> torch.Tensor:
-    size, _, group = _tp_split(name, local)
+    size, _, group = tp_split(name, local)
     if size == 1:
         return local.detach().clone() if copy else local.detach()
     parts = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(parts, local.detach().contiguous(), group=group)
     dim = int(local.partition_dim)  # type: ignore[attr-defined]
-    if _is_glu(name):
+    if is_glu(name):
         halves = [p.chunk(2, dim) for p in parts]
         return torch.cat([torch.cat([h[i] for h in halves], dim) for i in range(2)], dim)
     return torch.cat(parts, dim)
@@ -205,7 +205,7 @@ def gather_megatron(chunks: list[torch.nn.Module], arch: MoEArch,
         for name, local in local_tensors(chunk, arch):
             full = _unshard(name, local, copy)  # collective over the tp group: every rank calls it
             expert = ".experts.local_experts." in name
-            _, rank, _ = _tp_split(name, local)
+            _, rank, _ = tp_split(name, local)
             if rank == 0 and (expert_writer if expert else dense_writer):
                 mine[name] = full
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -239,17 +239,28 @@ def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: Path) -> None:
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def cast_hf(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """An HF tensor in the exported `dtype` (None: as it is); the router bias stays
+    float32."""
+    if dtype is None or name.endswith("e_score_correction_bias"):
+        return tensor
+    return tensor.to(dtype)
+
+
+def hf_config(arch: MoEArch, base_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json of `arch`, on top of the served one's fields it does not describe."""
+    base = {k: v for k, v in (base_config or {}).items() if k != "quantization_config"}
+    return hf_config_from_arch(arch, base)
+
+
 def hf_tensors(meg: dict[str, torch.Tensor], arch: MoEArch,
                base_config: dict[str, Any] | None = None, dtype: torch.dtype | None = None,
                ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The gathered Megatron tensors (`gather_megatron`) in Hugging Face names and
     `dtype` (the router bias stays float32), and the config.json they go with."""
-    base = {k: v for k, v in (base_config or {}).items() if k != "quantization_config"}
-    config = hf_config_from_arch(arch, base)
+    config = hf_config(arch, base_config)
     tensors = megatron_to_hf(meg, arch, bool(config.get("rope_interleave", True)))
-    if dtype is not None:
-        tensors = {k: v if k.endswith("e_score_correction_bias") else v.to(dtype)
-                   for k, v in tensors.items()}
+    tensors = {k: cast_hf(k, v, dtype) for k, v in tensors.items()}
     config["dtype"] = str(dtype or next(iter(meg.values())).dtype).removeprefix("torch.")
     return tensors, config
 

@@ -47,10 +47,6 @@ class ParallelGroups:
     device: torch.device
 
     @property
-    def is_pp_first(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_pp_last(self) -> bool:
         return self.pp_rank == self.layout.pp - 1
 

@@ -26,31 +26,8 @@ from typing import Any
 import httpx
 
 from moerl.rendezvous import read_endpoints
+from moerl.rewards.config import RewardClientConfig
 from moerl.rewards.protocol import REPAIRED, RewardRequest, RewardResult
-
-
-@dataclass(frozen=True)
-class RewardClientConfig:
-    urls: tuple[str, ...] = ()
-    """Base URLs (http://host:port); empty means read them from `rendezvous_dir`."""
-    rendezvous_dir: Path | None = None
-    batch_size: int = 64
-    max_in_flight: int = 4
-    """Batches sent at once."""
-    timeout_s: float = 300.0
-    """Per request; longer than the sandbox's maximum wall time times a batch's depth."""
-    max_attempts: int = 5
-    backoff_base_s: float = 0.25
-    backoff_cap_s: float = 8.0
-    retry_item_infra_errors: bool = True
-    """Re-score items the server reported as infra errors (with new ids). Safe for the
-    built-in rewards, which only run tests; turn off for rewards with side effects."""
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.max_in_flight < 1 or self.max_attempts < 1:
-            raise ValueError("batch_size, max_in_flight and max_attempts must be >= 1")
-        if not self.urls and self.rendezvous_dir is None:
-            raise ValueError("RewardClientConfig needs `urls` or `rendezvous_dir`")
 
 
 @dataclass(frozen=True)
@@ -83,9 +60,14 @@ class _Unsent(Exception):
 
 
 class RewardClient:
-    def __init__(self, config: RewardClientConfig, seed: int | None = None) -> None:
-        self.config = config
-        self._http = httpx.Client(timeout=config.timeout_s)
+    def __init__(self, config: RewardClientConfig | None = None, *, urls: Sequence[str] = (),
+                 rendezvous_dir: Path | None = None, seed: int | None = None) -> None:
+        """The servers at `urls`, or those announced in `rendezvous_dir`."""
+        if not urls and rendezvous_dir is None:
+            raise ValueError("RewardClient needs `urls` or `rendezvous_dir`")
+        self.config = config or RewardClientConfig()
+        self.urls, self.rendezvous_dir = tuple(urls), rendezvous_dir
+        self._http = httpx.Client(timeout=self.config.timeout_s)
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._cache: dict[str, RewardResult] = {}
@@ -96,10 +78,10 @@ class RewardClient:
         self._http.close()
 
     def _urls(self) -> tuple[str, ...]:
-        if self.config.urls:
-            return self.config.urls
-        assert self.config.rendezvous_dir is not None
-        return discover(self.config.rendezvous_dir)
+        if self.urls:
+            return self.urls
+        assert self.rendezvous_dir is not None
+        return discover(self.rendezvous_dir)
 
     def score(self, items: Sequence[ScoreItem], step: int) -> ScoreReport:
         """Score `items`; identical items within one step are scored once."""

@@ -147,7 +147,7 @@ def create_app(rewards: Mapping[str, RewardFunction], max_concurrency: int,
             return JSONResponse(
                 {"detail": f"a batch of {len(raw_items)} items is over this server's limit of "
                            f"{max_batch_items} (--max-batch-items); send smaller batches "
-                           "(rewards.batch_size)"}, status_code=413)  # fmt: skip
+                           "(rewards.client.batch_size)"}, status_code=413)  # fmt: skip
 
         async def one(raw: Any) -> RewardResult:
             try:

@@ -12,9 +12,6 @@ into micro-batches, so "global batch normalisation" is a plain mean and std here
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
 
@@ -145,54 +142,6 @@ def gae(
         next_value = torch.where(valid, values[:, t], next_value)
     returns = torch.where(mask, adv + values, torch.zeros_like(values))
     return adv, returns
-
-
-# --- DAPO dynamic sampling -------------------------------------------------------------
-
-
-def informative_groups(rewards: torch.Tensor, atol: float = 0.0) -> torch.Tensor:
-    """(G, n) rewards -> (G,) bool: True where the group's rewards are not all equal.
-
-    A group whose samples all got the same reward has zero group-normalised advantage
-    for every sample: it adds no gradient, only dilutes the batch.
-    """
-    spread = rewards.amax(dim=1) - rewards.amin(dim=1)
-    return spread > atol
-
-
-@dataclass(frozen=True)
-class GroupPick:
-    index: torch.Tensor
-    """(k,) indices of the candidate groups to keep, in the order they came."""
-    missing: int
-    """Groups still needed to reach the target after keeping these (0: batch full)."""
-
-
-def fill_batch(rewards: torch.Tensor, target: int, have: int = 0, atol: float = 0.0) -> GroupPick:
-    """Keep informative groups from candidates (G, n) until `have` reaches `target`.
-
-    Called once per round of generation with that round's groups; `have` counts groups
-    kept in earlier rounds. Extra informative groups beyond the target are dropped (DAPO
-    trims the batch to its size).
-    """
-    if not 0 <= have <= target:
-        raise ValueError(f"need 0 <= have <= target, got have={have}, target={target}")
-    index = torch.nonzero(informative_groups(rewards, atol)).flatten()[: target - have]
-    return GroupPick(index=index, missing=target - have - int(index.numel()))
-
-
-def groups_to_request(
-    missing: int, keep_rate: float, oversample: float = 1.2, min_keep_rate: float = 0.05
-) -> int:
-    """How many new groups to generate to fill `missing` places, at the observed keep rate.
-
-    keep_rate: informative fraction seen so far; floored at min_keep_rate so that a round
-    where nothing was kept does not ask for infinitely many groups.
-    """
-    if missing <= 0:
-        return 0
-    rate = max(keep_rate, min_keep_rate)
-    return math.ceil(missing * oversample / rate)
 
 
 # --- DAPO overlong reward shaping -------------------------------------------------------

@@ -1,14 +1,19 @@
-"""Typed configs of the RL loop: the `rl` group, and the policy update (PolicyConfig)."""
+"""Typed configs of the RL loop: the `rl` group, which the loop, the policy update and the
+critic read as it is (no field is copied into another config)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from moerl.rl.critic_config import CriticConfig, check_gae
+from moerl.rl.objective_config import AggregationMode, ObjectiveConfig, objective_config_class
 from moerl.rollout.types import SamplingParams
 
 AdvantageKind = Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp", "gae"]
+
+# Stands for "the objective's own defaults" until RLConfig knows its objective.
+_OBJECTIVE_DEFAULTS = ObjectiveConfig()
 
 
 @dataclass
@@ -18,13 +23,17 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0
     stop: list[str] = field(default_factory=list)
+    # Every completion runs to max_tokens: neither EOS nor the tokenizer's end-of-turn
+    # ids stop it (fixed lengths, e.g. to measure steps or long generations).
+    ignore_eos: bool = False
 
     def params(self, n: int, seed: int | None, stop_token_ids: tuple[int, ...] = (),
                routed_experts: bool = False) -> SamplingParams:
         return SamplingParams(
             max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, n=n, stop=tuple(self.stop), seed=seed,
-            stop_token_ids=stop_token_ids, return_routed_experts=routed_experts,
+            stop_token_ids=() if self.ignore_eos else stop_token_ids,
+            ignore_eos=self.ignore_eos, return_routed_experts=routed_experts,
         )
 
 
@@ -60,36 +69,6 @@ class AgentTasksConfig:
             raise ValueError("rl.agent.context_tokens: must exceed rl.agent.max_new_tokens")
 
 
-@dataclass(frozen=True)
-class PolicyConfig:
-    """How rl.policy.Policy runs an update; the trainer stage fills it from the `rl` group."""
-
-    token_budget: int = 4096
-    """B * T of a micro-batch; B = token_budget // T (see data.rl_batch)."""
-    recompute_old_logprobs: bool = True
-    """Recompute pi_old with the current weights; False uses the rollout's logprobs."""
-    use_reference: bool = True
-    """Keep a frozen reference model for reference logprobs (KL term and metric)."""
-    norm_len: float | None = None
-    """L of seq-mean-token-sum-norm (Dr.GRPO), e.g. the maximum response length."""
-    replay_routing: bool = True
-    """Replay the engine's expert choices when the samples carry them."""
-    token_advantages: Literal["none", "reinforce_pp", "gae"] = "none"
-    """reinforce_pp: the samples carry their rewards, turned into per-token REINFORCE++
-    advantages once the step's reference logprobs are known (`rl.token_returns`);
-    gae: advantages by GAE from the critic's values (`rl.gae_returns`, `rl.critic`)."""
-    kl_in_reward: float = 0.0
-    """beta of the KL penalty in the per-token reward (reinforce_pp, gae)."""
-    gae_gamma: float = 1.0
-    """gamma of GAE (gae)."""
-    gae_lambda: float = 0.95
-    """lambda of GAE (gae)."""
-    aux_losses: bool = False
-    """Keep the MoE load-balancing and MTP losses in the update's gradient. Off by default:
-    they would also count padding tokens, whose number depends on the packing (so on the
-    layout), and the router's expert bias keeps balancing the load without them."""
-
-
 @dataclass
 class RLConfig:
     """The `rl` group: what one RL step does, and how many."""
@@ -98,7 +77,9 @@ class RLConfig:
     prompts_per_step: int = 16
     group_size: int = 8
     objective: str = "grpo"  # ppo_clip, grpo, dapo, gspo, cispo, dr_grpo
-    objective_args: dict[str, Any] = field(default_factory=dict)  # that objective's config
+    # That objective's config, of its own class (rl/objective_config.py: GRPOConfig, ...),
+    # typed when the run's config is read; unset: the objective's defaults.
+    objective_args: ObjectiveConfig = field(default_factory=lambda: _OBJECTIVE_DEFAULTS)
     # grpo / grpo_no_std / rloo: one advantage per sample from its group's rewards;
     # reinforce_pp: per-token returns whitened over the step (`rl.token_returns`);
     # gae: PPO with a critic, GAE(gae_gamma, gae_lambda) from its values (`rl.critic`).
@@ -124,7 +105,13 @@ class RLConfig:
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 1  # async: samples more weight versions old than this are dropped
     updates_per_step: int = 1  # optimizer steps (minibatches) per RL step
-    token_budget: int = 2048  # tokens per micro-batch of the policy update
+    token_budget: int = 2048  # tokens per micro-batch of the policy update (B * T)
+    # pi_old recomputed with the weights the step starts from; false: the rollout
+    # engine's logprobs stand for it.
+    recompute_old_logprobs: bool = True
+    # A frozen reference model (the policy as RL starts) for the objective's KL term, the
+    # KL in the reward and the KL metric; false needs both KL coefficients at 0.
+    use_reference: bool = True
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eval_interval: int = 10  # steps between held-out evaluations (0: only first and last)
     eval_temperature: float = 0.0  # greedy
@@ -133,7 +120,12 @@ class RLConfig:
     # loaded by every server) or `memory` (streamed over a process group the servers
     # join; the first version and any failed stream still go through disk).
     weight_sync: Literal["disk", "memory"] = "disk"
-    weight_sync_bucket_mb: int = 64  # memory: bytes per broadcast
+    # memory: the staging memory each rank (trainer and server alike) may hold beyond
+    # its weights while a version streams, as two buffers of half this (bytes).
+    weight_sync_staging_bytes: int = 256 << 20
+    # memory: the bound on every wait of one version's stream (forming the group, each
+    # message, the servers' replies); past it the version goes by disk.
+    weight_sync_timeout_s: float = 600.0
     # Keep training the MoE balance loss and the MTP head (DeepSeek-V3's MTP objective)
     # alongside the policy, e.g. so MTP drafts stay accepted by a moving policy.
     aux_losses: bool = False
@@ -148,7 +140,28 @@ class RLConfig:
     routing_replay: bool = False
     agent: AgentTasksConfig = field(default_factory=AgentTasksConfig)
 
+    @staticmethod
+    def field_types(data: dict[str, Any]) -> dict[str, Any]:
+        """`objective_args` is read as the config class of `objective` (typed_config)."""
+        return {"objective_args": _objective_class(data.get("objective", RLConfig.objective))}
+
+    @property
+    def max_response_tokens(self) -> int:
+        """The most tokens one sample's loss can cover: a completion, or the model's
+        turns of an agent episode."""
+        if self.task_source == "agent":
+            return self.agent.max_turns * self.agent.max_new_tokens
+        return self.sampling.max_tokens
+
     def __post_init__(self) -> None:
+        self.objective_args = self._typed_objective_args()
+        if not self.use_reference and (self.objective_args.kl_coef or self.kl_in_reward):
+            raise ValueError(
+                f"rl.use_reference=false with rl.objective_args.kl_coef="
+                f"{self.objective_args.kl_coef} and rl.kl_in_reward={self.kl_in_reward}: a KL "
+                "term needs the reference model; set rl.use_reference=true, or both to 0")
+        if self.token_budget < 1:
+            raise ValueError("rl.token_budget: must be >= 1")
         if self.group_size < 2:
             raise ValueError("rl.group_size: group advantages need at least 2 samples a prompt")
         if min(self.steps, self.prompts_per_step, self.max_generation_rounds) < 1:
@@ -175,8 +188,12 @@ class RLConfig:
                 "rl.max_staleness=0 with rl.mode=async: a batch collected while the previous "
                 "step trains is one weight version old, so every sample would be dropped; "
                 "set rl.max_staleness>=1, or rl.mode=sync for on-policy steps")
-        if self.weight_sync_bucket_mb < 1:
-            raise ValueError("rl.weight_sync_bucket_mb: must be >= 1")
+        if self.weight_sync_staging_bytes < 2 << 20:
+            raise ValueError(f"rl.weight_sync_staging_bytes: {self.weight_sync_staging_bytes} "
+                             "is below 2 MiB (two staging buffers of 1 MiB); raise it, e.g. "
+                             "268435456 (256 MiB)")
+        if self.weight_sync_timeout_s <= 0:
+            raise ValueError("rl.weight_sync_timeout_s: must be > 0 seconds")
         if self.overlong_buffer >= self.sampling.max_tokens and self.overlong_buffer:
             raise ValueError("rl.overlong_buffer: must be smaller than rl.sampling.max_tokens")
         if self.routing_replay and self.task_source == "agent":
@@ -191,3 +208,22 @@ class RLConfig:
             except SuiteError as err:
                 raise ValueError(f"rl.agent.tasks / rl.agent.categories / rl.agent.task_dirs: "
                                  f"{err}") from err
+
+    def _typed_objective_args(self) -> ObjectiveConfig:
+        """The objective's config: its class's defaults when unset; Dr.GRPO's L (norm_len),
+        when its aggregation needs one and none is given, the longest response."""
+        cls = _objective_class(self.objective)
+        args = cls() if self.objective_args is _OBJECTIVE_DEFAULTS else self.objective_args
+        if type(args) is not cls:
+            raise ValueError(f"rl.objective_args: rl.objective={self.objective} takes "
+                             f"{cls.__name__}, got {type(args).__name__}")
+        if args.aggregation is AggregationMode.SEQ_MEAN_TOKEN_SUM_NORM and args.norm_len is None:
+            return replace(args, norm_len=float(self.max_response_tokens))
+        return args
+
+
+def _objective_class(name: Any) -> type[ObjectiveConfig]:
+    try:
+        return objective_config_class(name)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"rl.objective: {err}") from None

@@ -76,6 +76,10 @@ class ObjectiveConfig:
     """c of the entropy bonus; 0 disables it (entropy still reported when given)."""
     is_correction: ISCorrectionConfig | None = None
     """Rollout-vs-trainer importance correction; None disables it."""
+    norm_len: float | None = None
+    """L of seq-mean-token-sum-norm (Dr.GRPO's constant, the maximum response length);
+    only that aggregation reads it. None there: the run's longest response (the rl group
+    fills it in from rl.sampling.max_tokens)."""
 
     def __post_init__(self) -> None:
         # Hydra hands strings; keep the fields typed as enums from here on.
@@ -85,6 +89,14 @@ class ObjectiveConfig:
             raise ValueError(
                 f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, {self.entropy_coef}"
             )
+        if self.norm_len is not None:
+            if self.norm_len <= 0:
+                raise ValueError(f"norm_len must be > 0, got {self.norm_len}")
+            if self.aggregation is not AggregationMode.SEQ_MEAN_TOKEN_SUM_NORM:
+                raise ValueError(
+                    f"norm_len={self.norm_len} with aggregation {self.aggregation.value}: only "
+                    f"{AggregationMode.SEQ_MEAN_TOKEN_SUM_NORM.value} divides by it; remove "
+                    "norm_len or set that aggregation")
 
 
 def check_clip_range(eps_low: float, eps_high: float) -> None:

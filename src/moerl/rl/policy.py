@@ -1,17 +1,18 @@
 """The policy on the Megatron model: logprobs of given sequences, the RL update, publishing.
 
-    policy = Policy.build(arch, layout, optim, build_objective("grpo"), groups)
+    policy = Policy.build(arch, layout, optim, groups, RLConfig(objective="grpo"))
     metrics = policy.update(samples)        # every rank passes the same global batch
     path = policy.publish(run_dir / "v1")   # weights for the rollout servers
 
-One update: the samples are split over data-parallel ranks and packed into same-shape
+One update, as the `rl` group (RLConfig) says (objective, token budget, advantages,
+routing replay): the samples are split over data-parallel ranks and packed into same-shape
 micro-batches (data.rl_batch); old logprobs (recomputed with the current weights, or the
 rollout's) and reference logprobs come from forward-only passes, except the first
 minibatch's recomputed old logprobs: the weights have not moved yet, so they are the
 update's own forward, detached (one forward pass fewer per step); the global
 `Denominator` counts loss tokens and sequences over all micro-batches and DP ranks; the
 objective runs per micro-batch inside Megatron's pipeline schedule; one optimizer step.
-With a critic (`token_advantages="gae"`, rl/critic.py) the critic's values of every
+With a critic (`rl.advantage=gae`, rl/critic.py) the critic's values of every
 micro-batch are computed next, the per-token advantages and value targets come from
 them (rl/gae_returns.py), the critic takes one step per minibatch, and the policy its
 own, except during the critic's warm-up (its first `warmup_steps` updates).
@@ -22,7 +23,7 @@ DP and divides every gradient by it. Each micro-batch here reports its number of
 tokens n_k (so the divisor is N = Denominator.num_tokens exactly) and back-propagates
 N * loss_k, where loss_k is the objective's share of the global-batch loss. The division
 then returns the objective's gradient for any aggregation mode. With
-`PolicyConfig.aux_losses` the MoE load-balancing and MTP losses, which Megatron scales
+`rl.aux_losses` the MoE load-balancing and MTP losses, which Megatron scales
 for that divisor, are added with their per-token normalisation (as in LM training).
 """
 
@@ -44,9 +45,9 @@ from moerl.models.precision import RecomputeConfig, ResolvedPrecision
 from moerl.models.weights import load_weights, save_weights
 from moerl.parallel.groups import ParallelGroups
 from moerl.parallel.layout import ParallelLayout
-from moerl.rl.config import PolicyConfig
+from moerl.rl.config import RLConfig
 from moerl.rl.forward import ForwardHooks, cp_share, forward_logprobs, run_schedule, token_logprobs
-from moerl.rl.losses import PolicyLossInputs, PolicyObjective, global_denominator
+from moerl.rl.losses import PolicyLossInputs, build_objective, global_denominator
 from moerl.rl.policy_metrics import gap_metrics, gap_report, reduce_reports
 from moerl.rl.routing import ExpertLoad, RoutingReplay
 from moerl.rl.update_advantages import Prepared, gae_step, reinforce_pp_step
@@ -66,25 +67,25 @@ class Policy:
         self,
         trainable: Trainable,
         arch: MoEArch,
-        objective: PolicyObjective,
         groups: ParallelGroups,
-        cfg: PolicyConfig | None = None,
+        cfg: RLConfig | None = None,
         reference: list[torch.nn.Module] | None = None,
         critic: Critic | None = None,
     ) -> None:
         config = trainable.model[0].config
         if not config.calculate_per_token_loss:
             raise ValueError("Policy needs a model config with calculate_per_token_loss=True")
-        self.trainable, self.arch, self.objective, self.groups = trainable, arch, objective, groups
-        self.cfg = cfg or PolicyConfig()
+        self.trainable, self.arch, self.groups = trainable, arch, groups
+        self.cfg = cfg or RLConfig()
+        self.objective = build_objective(self.cfg.objective, self.cfg.objective_args)
         self.reference = reference
         self.critic = critic
         self.updates = 0  # update() calls so far; a resume restores it (rl.resume)
         chunks: list[torch.nn.Module] = list(trainable.model)
         self.load = ExpertLoad(chunks, arch)
-        self.replay = RoutingReplay(chunks, arch) if self.cfg.replay_routing else None
+        self.replay = RoutingReplay(chunks, arch) if self.cfg.routing_replay else None
         self.ref_replay = (
-            RoutingReplay(reference, arch) if reference and self.cfg.replay_routing else None
+            RoutingReplay(reference, arch) if reference and self.cfg.routing_replay else None
         )
 
     @classmethod
@@ -93,9 +94,8 @@ class Policy:
         arch: MoEArch,
         layout: ParallelLayout,
         optim: OptimConfig,
-        objective: PolicyObjective,
         groups: ParallelGroups,
-        cfg: PolicyConfig | None = None,
+        cfg: RLConfig | None = None,
         weights: str | Path | None = None,
         reference_weights: str | Path | None = None,
         precision: ResolvedPrecision | None = None,
@@ -106,7 +106,7 @@ class Policy:
         The reference loads `reference_weights`, or else is a copy of the initial policy.
         `precision`: the run's, resolved (None: this machine's default).
         """
-        cfg = cfg or PolicyConfig()
+        cfg = cfg or RLConfig()
         precision = precision or resolve_precision()
         chunks = build_model(arch, layout, precision=precision, recompute=recompute,
                              backend=groups.backend)
@@ -126,7 +126,7 @@ class Policy:
                 ref.requires_grad_(False)
         trainable = build_optimizer(chunks, optim, layout,
                                     offload=precision.config.offload_optimizer)
-        return cls(trainable, arch, objective, groups, cfg, reference)
+        return cls(trainable, arch, groups, cfg, reference)
 
     @property
     def cp_group(self) -> dist.ProcessGroup | None:
@@ -156,23 +156,6 @@ class Policy:
             hooks=ForwardHooks(replay=replay), cp_group=self.cp_group,
         )
 
-    def completion_logprobs(self, samples: Sequence[RLSample]) -> list[torch.Tensor]:
-        """log pi(completion token) per sample, (C_i,) each, in order, on every rank."""
-        micro = self.pack(samples)
-        mine: list[tuple[int, torch.Tensor]] = []
-        for mb, (lp, _) in zip(micro, self.logprobs(micro), strict=True):
-            for row, index in enumerate(mb.sample_index):
-                s = samples[index]
-                start = s.prompt_ids.numel() - 1  # label position of the first completion token
-                mine.append((index, lp[row, start : start + s.completion_ids.numel()].clone()))
-        gathered: list[Any] = [None] * self.groups.layout.dp
-        if self.groups.layout.dp > 1:
-            dist.all_gather_object(gathered, mine, group=self.groups.dp_group)
-        else:
-            gathered = [mine]
-        ordered = dict(pair for part in gathered for pair in part)
-        return [ordered[i] for i in range(len(samples))]
-
     def update(self, samples: Sequence[RLSample], num_minibatches: int = 1) -> dict[str, float]:
         """`num_minibatches` optimizer steps over `samples` (the same list on every rank).
 
@@ -187,11 +170,11 @@ class Policy:
         extra: dict[str, float] = {}
         moves = True
         dp_group = self.groups.dp_group
-        if self.cfg.token_advantages == "reinforce_pp":
+        if self.cfg.advantage == "reinforce_pp":
             prepared, extra = reinforce_pp_step(prepared, self.cfg.kl_in_reward, dp_group)
-        elif self.cfg.token_advantages == "gae":
+        elif self.cfg.advantage == "gae":
             if self.critic is None:
-                raise ValueError("token_advantages=gae needs a critic (Policy(critic=...))")
+                raise ValueError("rl.advantage=gae needs a critic (Policy(critic=...))")
             prepared, extra = gae_step(prepared, parts, self.critic, self.cfg, dp_group)
             moves = self.updates >= self.critic.cfg.warmup_steps
             extra["critic_warmup"] = float(not moves)
@@ -220,7 +203,8 @@ class Policy:
             old = [mb.rollout_logprobs for mb in micro]  # type: ignore[misc]
         ref = [lp for lp, _ in self.logprobs(micro, reference=True)] if self.reference else None
         masks = [mb.loss_mask for mb in micro]
-        denom = global_denominator(masks, self.cfg.norm_len, group=self.groups.dp_group)
+        denom = global_denominator(masks, self.cfg.objective_args.norm_len,
+                                   group=self.groups.dp_group)
         return Prepared(micro, old, ref, denom)
 
     def _step(self, p: Prepared) -> dict[str, float]:
@@ -249,7 +233,7 @@ class Policy:
         self.trainable.optimizer.zero_grad()
         self.load.reset()
         device, tp_group = self.groups.device, self.groups.tp_group
-        entropy_grad = getattr(getattr(self.objective, "cfg", None), "entropy_coef", 0.0) > 0
+        entropy_grad = self.cfg.objective_args.entropy_coef > 0
 
         def on_logits(
             k: int, mb: RLMicroBatch, logits: torch.Tensor
@@ -265,6 +249,7 @@ class Policy:
                 rollout_logprobs=_to(mb.rollout_logprobs, device),
                 ref_logprobs=_to(p.ref[k], device) if p.ref is not None else None,
                 entropy=ent if entropy_grad else ent.detach(),
+                token_versions=_to(mb.token_versions, device),
             )
             loss, metrics = self.objective(inputs, p.denom)
             # See the module docstring: Megatron divides by the counts summed over DP x CP,

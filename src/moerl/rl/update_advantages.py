@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.data.rl_batch import RLMicroBatch, RLSample
-from moerl.rl.config import PolicyConfig
+from moerl.rl.config import RLConfig
 from moerl.rl.losses import Denominator
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def reinforce_pp_step(prepared: Sequence[Prepared], kl_coef: float,
 
 
 def gae_step(prepared: Sequence[Prepared], parts: Sequence[Sequence[RLSample]], critic: Critic,
-             cfg: PolicyConfig, group: dist.ProcessGroup | None
+             cfg: RLConfig, group: dist.ProcessGroup | None
              ) -> tuple[list[Prepared], dict[str, float]]:
     """GAE advantages from the critic's values over the whole step (`rl.gae_returns`),
     then one critic step per minibatch (`parts[i]`: minibatch i's samples, which its

@@ -16,9 +16,9 @@ Two filesystem strategies, chosen from `rollout.engine` by `build_weight_sync`:
 writes the HF export); every trainer rank calls `push`.
 
 `rl.weight_sync=memory` streams each version to the servers over a process group
-instead (`rl.weight_stream`: moerl's buckets, SGLang's protocol, vLLM through moerl's
-worker extension); docs/architecture.md ("Weight sync") maps it onto the engines'
-endpoints.
+instead (`rl.weight_stream`: every trainer rank its own slices to moerl servers;
+SGLang's protocol, and vLLM through moerl's worker extension, from rank 0);
+docs/architecture.md ("Weight sync") maps it onto the engines' endpoints.
 """
 
 from __future__ import annotations
@@ -167,14 +167,16 @@ def export_dtype(name: str) -> torch.dtype | None:
 def build_weight_sync(engine: str, root: Path, engines: RolloutClient | None, *, keep: int = 2,
                       hf_model_dir: str | None = None, dtype: str = "auto",
                       mode: str = "disk", arch: MoEArch | None = None,
-                      bucket_mb: int = 64, server_ranks: int | None = None,
+                      staging_bytes: int = 256 << 20, timeout_s: float = 600.0,
+                      server_ranks: int | None = None,
                       initial: Path | None = None) -> WeightSync:
     """The strategy `rollout.engine` and `rl.weight_sync` need: Megatron weights for
     moerl, an HF export then the engine's update call for vllm and sglang; with
-    `mode="memory"` (moerl, sglang) each version after the first is streamed over a
-    process group instead (`server_ranks`: each server's ranks, None: they say).
-    `initial`: the weights directory the first version already is (moerl servers read
-    it there; see `FilesystemWeightSync`)."""
+    `mode="memory"` each version after the first is streamed over a process group
+    instead (`server_ranks`: each server's ranks, None: they say; `staging_bytes` and
+    `timeout_s`: each rank's staging memory and each version's bound). `initial`: the
+    weights directory the first version already is (moerl servers read it there; see
+    `FilesystemWeightSync`)."""
     if mode not in ("disk", "memory"):
         raise ValueError(f"rl.weight_sync: {mode!r}; choose disk or memory")
     kind = check_engine(engine)
@@ -192,5 +194,5 @@ def build_weight_sync(engine: str, root: Path, engines: RolloutClient | None, *,
     hf_config = disk.base_config if isinstance(disk, HFExportWeightSync) else None
     return MemoryWeightSync(disk, engines, arch, engine=kind,
                             server_ranks=None if kind == "moerl" else (server_ranks or 1),
-                            bucket_bytes=bucket_mb << 20, hf_config=hf_config,
-                            hf_dtype=export_dtype(dtype))
+                            staging_bytes=staging_bytes, timeout_s=timeout_s,
+                            hf_config=hf_config, hf_dtype=export_dtype(dtype))

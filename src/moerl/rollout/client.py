@@ -32,6 +32,7 @@ import httpx
 
 from moerl.rendezvous import read_endpoints
 from moerl.rollout.backends import check_engine, weight_update_calls
+from moerl.rollout.config import ClientConfig
 from moerl.rollout.types import RequestError, Sample, SamplingParams
 from moerl.rollout.wire import (
     EngineAborted,
@@ -53,18 +54,6 @@ class _Retryable(Exception):
         super().__init__(message)
         self.dead = dead
         self.retry_after = retry_after
-
-
-@dataclasses.dataclass(frozen=True)
-class ClientConfig:
-    timeout_s: float = 600.0  # one group's generation, end to end
-    connect_timeout_s: float = 5.0
-    max_attempts: int = 4
-    backoff_s: float = 0.5  # first retry waits up to this; doubles each time
-    backoff_cap_s: float = 8.0
-    max_in_flight: int = 64  # concurrent calls over all servers
-    prompts_per_call: int = 32  # at most; prompts are also spread evenly over live servers
-    model: str | None = None
 
 
 def discover(rendezvous_dir: str | Path) -> list[str]:
@@ -218,10 +207,18 @@ class RolloutClient:
             return None
 
         with ThreadPoolExecutor(max(1, len(live))) as pool:
-            failures = [f for f in pool.map(push, live) if f]
-        if failures or not live:
-            why = failures or "no live server"
+            results = dict(zip(live, pool.map(push, live), strict=True))
+        # A server that cannot be reached is marked dead (generation avoids it, and the
+        # next update finds it again if it comes back); one that answered and refused,
+        # or no server at all taking the version, fails the update.
+        refused = [f for url, f in results.items() if f and url not in self.dead]
+        took = [url for url, f in results.items() if not f]
+        if refused or not took:
+            why = refused or [f for f in results.values() if f] or "no live server"
             raise RolloutUnavailable(f"weight update to version {version} failed: {why}")
+        if len(took) < len(live):
+            log.warning("weight version %d: %d of %d servers unreachable, marked dead",
+                        version, len(live) - len(took), len(live))
         self.weight_version = version
 
 

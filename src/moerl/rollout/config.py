@@ -7,20 +7,33 @@ backends (`backends.py`) turn it into vLLM / SGLang command lines.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """`rollout.client`: how the trainer calls the rollout servers (rollout/client.py)."""
+
+    timeout_s: float = 600.0  # one group's generation, end to end
+    connect_timeout_s: float = 5.0
+    max_attempts: int = 4
+    backoff_s: float = 0.5  # first retry waits up to this; doubles each time
+    backoff_cap_s: float = 8.0
+    max_in_flight: int = 64  # concurrent calls over all servers
+    prompts_per_call: int = 32  # at most; prompts are also spread evenly over live servers
+    model: str | None = None
 
 
 @dataclass
 class RolloutStageConfig:
-    """The `rollout` group: the generation servers."""
+    """The `rollout` group: the generation servers, and the trainer's client of them."""
 
     servers: int = 1
     max_batch: int = 64  # rows (prompt x sample) per engine call
     backend: Literal["auto", "static", "dynamic"] = "auto"
     nodes: int = 1
     gpus_per_node: int = 0
-    request_timeout_s: float = 600.0
     speculative: Literal["none", "ngram", "mtp"] = "none"  # draft-and-verify decoding
     num_draft_tokens: int = 4
     # With rl.mode=async: a weight update lands between two decode steps of the running
@@ -40,6 +53,7 @@ class RolloutStageConfig:
     max_model_len: int | None = None
     served_model_name: str | None = None
     gpu_memory_utilization: float = 0.85
+    client: ClientConfig = field(default_factory=ClientConfig)
 
 
 def server_ranks(cfg: RolloutStageConfig) -> int:

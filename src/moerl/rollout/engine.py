@@ -36,8 +36,8 @@ from moerl.rollout.speculative.config import SpeculativeConfig
 from moerl.rollout.speculative_decode import SpeculativeDecoder
 from moerl.rollout.static_decode import DecodeRow, StaticDecoder
 from moerl.rollout.types import GenerationRequest, LogprobMode, RequestError, Sample
-from moerl.rollout.weight_group import GroupSpec, Manifest, WeightGroup, open_group
-from moerl.rollout.weight_receive import BufferPool, install, stage
+from moerl.rollout.weight_group import GroupSpec, Manifest, abort
+from moerl.rollout.weight_receive import ReceiveLink, install, join, stage
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,9 @@ class MegatronEngine:
                  ranks: RolloutRanks | None = None, arch: MoEArch | None = None) -> None:
         self.model = model
         self.arch = arch  # needed by updates over a weight group (global tensor names)
-        self._weight_group: WeightGroup | None = None
-        self._buffers = BufferPool()  # of streamed versions (`rollout.weight_receive`)
+        self._link: ReceiveLink | None = None  # the trainer's weight group, once joined
+        # What each rank received of the last streamed version (`weight_transport.Traffic`).
+        self.last_received: list[dict[str, int]] = []
         self.ranks = ranks if ranks is not None and ranks.size > 1 else None
         self.tokenizer = tokenizer
         self.max_sequence_length = max_sequence_length
@@ -275,44 +276,66 @@ class MegatronEngine:
 
     def join_weight_group(self, spec: GroupSpec) -> None:
         """Join the trainer's weight group (`rollout.weight_group`), every rank of the
-        server at once; returns when the whole group has joined."""
+        server at once, and agree what each rank takes from which trainer rank; returns
+        when the whole group has joined."""
         with self.lock:
             if self.ranks is not None:
                 self.ranks.send(Command("join", group=spec))
             self.join_on_every_rank(spec)
 
     def join_on_every_rank(self, spec: GroupSpec) -> None:
+        """Raises WeightLoadError on every rank unless every rank joined."""
+        if self.arch is None:
+            raise WeightLoadError("this engine was built without its architecture; a weight "
+                                  "group needs it")
+        self._drop_link()
         rank = spec.rank_offset + (self.ranks.rank if self.ranks is not None else 0)
-        self._weight_group = open_group(spec, rank)
+        problem = None
+        try:
+            self._link = join(spec, rank, self.model, self.arch)
+        except Exception as exc:
+            problem = f"joining weight group {spec.group_name}: {exc}"
+        if not self._all_ok(problem is None):
+            self._drop_link()
+            raise WeightLoadError(problem or "another rank of this server could not join")
 
     def receive_weights(self, manifest: Manifest) -> None:
         """Take version `manifest.version` from the weight group: every tensor arrives
         before any parameter changes, so a failure leaves the old version whole."""
-        if self._weight_group is None:
-            raise WeightLoadError("no weight group joined (POST /init_weights_update_group "
-                                  "first)")
-        if self.arch is None:
-            raise WeightLoadError("this engine was built without its architecture; updates "
-                                  "over a weight group need it")
         with self.lock:
             if self.ranks is not None:
                 self.ranks.send(Command("receive", manifest=manifest))
             self.receive_on_every_rank(manifest)
 
     def receive_on_every_rank(self, manifest: Manifest) -> None:
-        assert self._weight_group is not None and self.arch is not None
-        device = next(self.model.parameters()).device
-        staged = stage(self._weight_group, manifest, self.model, self.arch, self._buffers,
-                       device)
-        ok = staged.problem is None
-        if self.ranks is not None:  # no rank moves unless every rank can
-            ok = self.ranks.all_ok(ok)
-        if not ok:
-            raise WeightLoadError(staged.problem or f"version {manifest.version}: another "
-                                  "rank refused it")
-        install(staged, self._buffers)
+        """Raises WeightLoadError on every rank (old weights kept) unless every rank
+        received its whole shard; a failed group is left, the next version joins anew."""
+        problem, staged = None, None
+        if self._link is None:
+            problem = "no weight group joined (POST /init_weights_update_group first)"
+        else:
+            try:
+                staged = stage(self._link, manifest)
+            except Exception as exc:
+                problem = f"version {manifest.version}: {exc}"
+        if not self._all_ok(problem is None) or staged is None:
+            self._drop_link()
+            raise WeightLoadError(problem or f"version {manifest.version}: another rank of "
+                                  "this server did not receive it")
+        report = {**staged.traffic.as_dict(), "held_bytes": staged.held_bytes}
+        self.last_received = (self.ranks.gather_counts(report) if self.ranks is not None
+                              else [report])
+        install(staged)
         self._weights_path, self._version = None, manifest.version
         self.model.eval()
+
+    def _all_ok(self, ok: bool) -> bool:
+        return self.ranks.all_ok(ok) if self.ranks is not None else ok
+
+    def _drop_link(self) -> None:
+        if self._link is not None:
+            abort(self._link.group)
+            self._link = None
 
     def _restore(self, backup: dict[str, torch.Tensor] | None) -> None:
         from moerl.models.weights import load_weights

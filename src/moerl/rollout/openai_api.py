@@ -67,18 +67,12 @@ class GroupBody(BaseModel):
     timeout_s: float = Field(600.0, gt=0)
 
 
-class TensorBody(BaseModel):
-    name: str
-    dtype: str
-    shape: list[int]
-
-
 class ManifestBody(BaseModel):
-    """`rollout.weight_group.Manifest`: the version the group is about to broadcast."""
+    """`rollout.weight_group.Manifest`: the version the joined group is about to carry."""
 
-    tensors: list[TensorBody]
     version: int
-    bucket_bytes: int = Field(64 << 20, ge=1)
+    group_name: str
+    buffer_bytes: int = Field(128 << 20, ge=1 << 10)
 
 
 def _prompts(body: CompletionBody, tokenizer: Tokenizer) -> list[list[int]]:

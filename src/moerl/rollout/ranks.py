@@ -129,6 +129,14 @@ class RolloutRanks:
         device = tokens.device if tokens is not None else torch.device("cpu")
         return both[0].to(device, torch.long), both[1].to(device, torch.float32)
 
+    def gather_counts(self, counts: dict[str, int]) -> list[dict[str, int]]:
+        """Every rank's `counts` (the same keys on every rank), by server rank."""
+        keys = sorted(counts)
+        mine = torch.tensor([counts[k] for k in keys], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(everyone, mine, group=self.group)
+        return [dict(zip(keys, (int(v) for v in t), strict=True)) for t in everyone]
+
     def all_ok(self, ok: bool) -> bool:
         """True on every rank when `ok` is true on every rank."""
         if self.size == 1:
@@ -153,17 +161,23 @@ def follow(engine: MegatronEngine, ranks: RolloutRanks) -> None:
                 return
             if command.kind == "generate":
                 engine.run_batch(list(command.requests))
-            elif command.kind == "join":
-                assert command.group is not None
-                engine.join_on_every_rank(command.group)
-            elif command.kind == "receive":
-                assert command.manifest is not None
-                engine.receive_on_every_rank(command.manifest)
             else:
                 try:
-                    engine.load_on_every_rank(command.path, command.version)
+                    _update(engine, command)
                 except WeightLoadError as exc:  # every rank kept the old weights
                     log.warning("%s", exc)
     except Exception:
         log.exception("rollout rank %d failed; ending the server", ranks.rank)
         os._exit(1)
+
+
+def _update(engine: MegatronEngine, command: Command) -> None:
+    """A follower's part of a weight update (`join`, `receive` or `load`)."""
+    if command.kind == "join":
+        assert command.group is not None
+        engine.join_on_every_rank(command.group)
+    elif command.kind == "receive":
+        assert command.manifest is not None
+        engine.receive_on_every_rank(command.manifest)
+    else:
+        engine.load_on_every_rank(command.path, command.version)

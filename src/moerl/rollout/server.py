@@ -49,7 +49,7 @@ from moerl.rollout.openai_api import (
 from moerl.rollout.ranks import follow
 from moerl.rollout.speculative.config import SPECULATIVE_MODES, SpeculativeConfig
 from moerl.rollout.types import LOGPROB_MODES, RequestError
-from moerl.rollout.weight_group import GroupSpec, Manifest, TensorSpec
+from moerl.rollout.weight_group import GroupSpec, Manifest
 from moerl.typed_config import from_dict
 
 log = logging.getLogger(__name__)
@@ -140,11 +140,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/update_weights_from_distributed", response_model=None)
     async def update_from_group(body: ManifestBody) -> dict[str, Any] | JSONResponse:
-        manifest = Manifest(tuple(TensorSpec(t.name, t.dtype, tuple(t.shape))
-                                  for t in body.tensors), body.version, body.bucket_bytes)
+        manifest = Manifest(body.version, body.group_name, body.buffer_bytes)
         future = state.scheduler.submit_update(
             "weight group", body.version, action=lambda: state.engine.receive_weights(manifest))
-        return await _updated(state, future)
+        reply = await _updated(state, future)
+        if isinstance(reply, dict):  # what each rank received, as its transport counted
+            reply["ranks"] = state.engine.last_received
+        return reply
 
     @app.post("/update_weights", response_model=None)
     async def update_weights(body: UpdateBody) -> dict[str, Any] | JSONResponse:

@@ -124,7 +124,10 @@ class StaticDecoder:
             if self.capture is not None and self.capture.on:
                 routed = self.capture.take(end - start, fed)
                 for j, slot in enumerate(live[:fed]):
-                    rows[slot].routing.append(routed[:, :, j])
+                    # A finished row waiting for compaction is fed its last token
+                    # again: not a position of its own.
+                    if rows[slot].finish_reason is None:
+                        rows[slot].routing.append(routed[:, :, j])
             if start == 0:
                 context.enable_decode_mode()
             self._advance(rows, live[:fed], lengths, logits, tokens, end)

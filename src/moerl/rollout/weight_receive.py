@@ -1,118 +1,96 @@
-"""A streamed weight version into one rank of a moerl rollout server, keeping only
-what this rank holds.
+"""A streamed weight version into one rank of a moerl rollout server: only the bytes
+of the slices this rank holds, from the trainer ranks that hold them.
 
-The version arrives bucket by bucket (`weight_group.send`'s broadcasts). Of each
-bucket this rank keeps its slices of the tensors its layout holds
-(`models.hf.local_tensors`, `shard`) and nothing else, so it never holds more than its
-own shard of the version and one bucket: at Kimi-K2's scale a rank holds a
-thirty-second of the model, and a whole version would not fit beside it. A bucket
-whose every tensor this rank holds whole (no tensor-parallel cut) is kept as received
-and the new weights are views of it; of any other bucket the rank's slices are copied
-out and its buffer takes the next such bucket. `stage` only receives; the engine
-swaps the staged version in (`install`) once every tensor has arrived on every rank,
-so a failure leaves the old version whole.
+When the server joins a weight group (`join`) each of its ranks offers the pieces of
+the model it holds (`models.pieces.held_pieces`) and learns the pieces every trainer
+rank sends (`weight_group.exchange`: names, shapes and ranges, no tensors); from
+both it computes once, for every version the group will carry, which trainer rank
+sends it which slabs (`parallel.shard_plan.routes_to`), whatever the two layouts.
+A plan that cannot be met (a tensor no trainer rank sends, shapes that differ)
+refuses the join.
+
+A version (`stage`) arrives into a fresh host copy of this rank's shard through the
+transport's two staging buffers (`weight_transport.receive_messages`): the served
+weights stay untouched, so a failure anywhere leaves the old version whole.
+`install` then makes it the weights between two batches: on CPU the received
+tensors become the parameters, on a GPU they are copied into the parameters' own
+memory (the dynamic engine's CUDA graphs read those addresses). Either way the
+previous version's memory is released: no spare copy of the weights is kept.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 
 import torch
 
 from moerl.models.arch import MoEArch
+from moerl.models.pieces import held_pieces
+from moerl.parallel.shard_messages import schedule
+from moerl.parallel.shard_plan import Piece, Transfer, by_name, routes_to
 from moerl.rollout.weight_group import (
+    GroupSpec,
     Manifest,
-    TensorSpec,
     WeightGroup,
-    broadcast_into,
-    buckets,
-    views_of,
+    group_device,
+    join_with_plan,
 )
+from moerl.rollout.weight_transport import Traffic, receive_messages
 
 
 @dataclass
-class BufferPool:
-    """Receive buffers kept across versions (a fresh buffer's first touch halves the
-    receive rate): those the live weights are views of, the previous version's (free
-    for kept buckets of the same size), and one scratch buffer for copied buckets."""
+class ReceiveLink:
+    """This rank's place in a weight group and what it takes from each sender."""
 
-    live: list[torch.Tensor] = field(default_factory=list)
-    spare: list[torch.Tensor] = field(default_factory=list)
-    scratch: torch.Tensor | None = None
+    group: WeightGroup
+    spec: GroupSpec
+    rank: int  # in the group
+    held: list[tuple[Piece, torch.Tensor]]  # (piece, the parameter holding it)
+    routes: dict[int, list[Transfer]]  # sender's group rank -> its transfers, in order
 
-    def take(self, size: int, device: torch.device) -> torch.Tensor:
-        found = next((b for b in self.spare if b.numel() == size and b.device == device), None)
-        if found is None:
-            return torch.empty(size, dtype=torch.uint8, device=device)
-        self.spare.remove(found)
-        return found
 
-    def scratch_of(self, size: int, device: torch.device) -> torch.Tensor:
-        if self.scratch is None or self.scratch.numel() < size or self.scratch.device != device:
-            self.scratch = torch.empty(size, dtype=torch.uint8, device=device)
-        return self.scratch[:size]
+def join(spec: GroupSpec, rank: int, model: torch.nn.Module, arch: MoEArch) -> ReceiveLink:
+    """Join the group as `rank` and agree the plan with every member."""
+    held = held_pieces([model], arch)
+    mine = [p for p, _ in held]
+    group, routes = join_with_plan(spec, rank, [], mine,
+                                   lambda senders, _: routes_to(mine, by_name(senders)))
+    return ReceiveLink(group, spec, rank, held, routes)
 
 
 @dataclass
 class Staged:
     """A received version on this rank: (parameter, its new value) for every weight it
-    holds, the buffers those values are views of, or why it cannot be installed."""
+    holds, and what the transport moved."""
 
     values: list[tuple[torch.Tensor, torch.Tensor]]
-    kept: list[torch.Tensor]
-    problem: str | None
+    traffic: Traffic
+    held_bytes: int  # of this rank's own slices
 
 
-def stage(group: WeightGroup, manifest: Manifest, model: torch.nn.Module, arch: MoEArch,
-          pool: BufferPool, device: torch.device) -> Staged:
-    """Receive every bucket of `manifest` (all of them, whatever this rank keeps: the
-    broadcasts are collective) and keep this rank's slices."""
-    from moerl.models.hf import held_whole, local_tensors, shard
-
-    local = dict(local_tensors(model, arch))
-    new: dict[str, torch.Tensor] = {}
-    kept: list[torch.Tensor] = []
-    problem: str | None = None
-    for index in buckets(manifest.tensors, manifest.bucket_bytes):
-        specs = [manifest.tensors[i] for i in index]
-        size = sum(s.nbytes for s in specs)
-        whole = all(s.name in local and held_whole(s.name, local[s.name]) for s in specs)
-        buffer = pool.take(size, device) if whole else pool.scratch_of(size, device)
-        broadcast_into(group, buffer)
-        for spec, view in zip(specs, views_of(buffer, specs), strict=True):
-            mine = local.get(spec.name)
-            if mine is None:
-                continue
-            part = shard(spec.name, view, mine)
-            if part.shape != mine.shape:
-                problem = problem or _arrived_as(manifest, spec, tuple(mine.shape))
-                continue
-            new[spec.name] = part if whole else part.clone(memory_format=torch.contiguous_format)
-        if whole:
-            kept.append(buffer)
-    missing = next((name for name in local if name not in new), None)
-    if problem is None and missing is not None:
-        problem = f"version {manifest.version}: {missing} was not sent"
-    return Staged([(local[n], new[n]) for n in local if n in new], kept, problem)
+def stage(link: ReceiveLink, manifest: Manifest) -> Staged:
+    """Receive version `manifest.version` into host tensors of this rank's shard."""
+    if manifest.group_name != link.spec.group_name:
+        raise ValueError(f"version {manifest.version} is for weight group "
+                         f"{manifest.group_name}, this rank joined {link.spec.group_name}")
+    deadline = time.monotonic() + link.spec.timeout_s
+    new = {p.name: torch.empty(p.local_shape, dtype=param.dtype) for p, param in link.held}
+    plan = schedule({(src, link.rank): ts for src, ts in link.routes.items()},
+                    manifest.buffer_bytes)
+    traffic = Traffic()
+    receive_messages(link.group, link.rank, plan, new.__getitem__,
+                     group_device(link.spec.backend), deadline, traffic)
+    return Staged([(param, new[p.name]) for p, param in link.held], traffic,
+                  sum(p.nbytes for p, _ in link.held))
 
 
-def _arrived_as(manifest: Manifest, spec: TensorSpec, held: tuple[int, ...]) -> str:
-    return (f"version {manifest.version}: {spec.name} arrived as {spec.shape}, this rank "
-            f"holds {held}")
-
-
-def install(staged: Staged, pool: BufferPool) -> None:
-    """Swap the staged values in. On CPU the received bytes become the weights; a GPU
-    keeps its weights' addresses (the dynamic engine's CUDA graphs read them)."""
-    swapped = False
+def install(staged: Staged) -> None:
+    """Swap the staged values in (all of them, between two batches)."""
     with torch.no_grad():
         for param, value in staged.values:
-            if value.device.type == "cpu" == param.device.type and value.dtype == param.dtype:
-                param.data = value.contiguous()
-                swapped = True
+            if param.device.type == "cpu" and value.dtype == param.dtype:
+                param.data = value
             else:
                 param.copy_(value)
-    if swapped:  # the weights are views of the kept buffers; the last version's are free
-        pool.spare, pool.live = pool.live, staged.kept
-    else:
-        pool.spare = staged.kept
+    staged.values.clear()

@@ -13,8 +13,9 @@ import pytest
 from moerl.agent.environment import AgentTask, Observation, VerifyResult
 from moerl.agent.scheduler import AgentScheduler, SchedulerConfig
 from moerl.agent.tools import ToolCall, ToolSpec
-from moerl.agent.trajectory import training_records
 from moerl.data.tokenizer import ByteTokenizer
+from moerl.rl.agent_collect import group_samples
+from moerl.rl.config import RLConfig
 from moerl.rollout.types import Sample, SamplingParams
 
 TOK = ByteTokenizer()
@@ -184,8 +185,7 @@ def test_repeated_faults_make_an_unscored_infra_failure() -> None:
         and traj.reward is None
         and "3 environment faults" in (traj.infra_error or "")
     )
-    records, infra = training_records([traj])
-    assert records == [] and infra == [traj]
+    assert group_samples([[traj, traj]], RLConfig(), False) == []  # not trained on
     (traj,), _ = _run({"a": SOLVE}, lambda: CounterEnv(faults=[1], restorable=False))
     assert traj.status == "infra_failure" and "cannot restore" in (traj.infra_error or "")
 

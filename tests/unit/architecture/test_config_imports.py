@@ -90,7 +90,7 @@ def offenders(modules: list[str]) -> list[str]:
 def test_config_modules_are_found() -> None:
     modules = config_modules()
     assert {"moerl.config", "moerl.rl.config", "moerl.rl.objective_config"} <= set(modules)
-    assert "moerl.rl.policy" not in modules  # PolicyConfig lives in rl.config
+    assert "moerl.rl.policy" not in modules  # the policy reads the rl group (rl.config)
 
 
 def test_spy_names_a_module_that_pulls_torch() -> None:

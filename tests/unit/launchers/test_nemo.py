@@ -134,7 +134,8 @@ def test_job_settings_match_our_header(job: tuple[RunPlan, slurm.SlurmConfig],
         assert group["signal"] == trainer["signal"].removeprefix("B:")
     assert "#SBATCH --requeue" in ours_text
     assert rendered[0].count("#SBATCH --requeue") == len(plan.stages)
-    assert f"export MASTER_PORT=$(({cfg.master_port} + ${{SLURM_RESTART_COUNT:-0}}))" in rendered[0]
+    port = cfg.cluster.master_port
+    assert f"export MASTER_PORT=$(({port} + ${{SLURM_RESTART_COUNT:-0}}))" in rendered[0]
     trainer_group = [s.name for s in nemo.nemo_stages(plan)].index("trainer")
     assert f"SLURM_JOB_NODELIST_HET_GROUP_{trainer_group}" in rendered[0]
 

@@ -70,8 +70,8 @@ def serve() -> Iterator[Callable[[Behaviour], FakeServer]]:
 
 
 def client_for(url: str, **kw: object) -> RewardClient:
-    cfg = RewardClientConfig(urls=(url,), backoff_base_s=0.01, backoff_cap_s=0.05, **kw)  # type: ignore[arg-type]
-    return RewardClient(cfg, seed=0)
+    cfg = RewardClientConfig(backoff_base_s=0.01, backoff_cap_s=0.05, **kw)  # type: ignore[arg-type]
+    return RewardClient(cfg, urls=(url,), seed=0)
 
 
 ITEMS = [ScoreItem("format", f"<answer>{i}</answer>", {}) for i in range(3)]

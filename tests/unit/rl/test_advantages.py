@@ -1,4 +1,4 @@
-"""Advantage estimators, dynamic sampling and overlong shaping, against loops and by hand."""
+"""Advantage estimators and overlong shaping, against loops and by hand."""
 
 from __future__ import annotations
 
@@ -9,11 +9,8 @@ import torch
 
 from moerl.rl.advantages import (
     discounted_returns,
-    fill_batch,
     gae,
     group_normalized,
-    groups_to_request,
-    informative_groups,
     last_token_rewards,
     masked_whiten,
     overlong_penalty,
@@ -117,30 +114,6 @@ def test_masked_whiten_ignores_masked_entries() -> None:
 
 
 # --- dynamic sampling --------------------------------------------------------------------
-
-ROUND = torch.tensor(
-    [[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.5, 0.5, 0.5001], [1.0, 0.0, 0.0]]
-)
-
-
-def test_informative_groups_drop_all_equal() -> None:
-    assert informative_groups(ROUND).tolist() == [False, True, False, True, True]
-    assert informative_groups(ROUND, atol=1e-3).tolist() == [False, True, False, False, True]
-
-
-def test_fill_batch_over_rounds() -> None:
-    first = fill_batch(ROUND, target=5)
-    assert first.index.tolist() == [1, 3, 4] and first.missing == 2
-    n = groups_to_request(first.missing, keep_rate=3 / 5, oversample=1.0)
-    assert n == math.ceil(2 / 0.6)
-    second = torch.tensor([[1.0, 1.0], [0.0, 1.0], [1.0, 1.0], [1.0, 0.0], [0.2, 0.1]])
-    pick = fill_batch(second, target=5, have=5 - first.missing)
-    assert pick.index.tolist() == [1, 3] and pick.missing == 0  # trimmed: [4] not needed
-    assert groups_to_request(0, keep_rate=0.5) == 0
-    assert groups_to_request(4, keep_rate=0.0, min_keep_rate=0.1, oversample=1.0) == 40
-    with pytest.raises(ValueError):
-        fill_batch(ROUND, target=2, have=3)
-
 
 # --- overlong shaping ----------------------------------------------------------------------
 

@@ -17,11 +17,11 @@ from moerl.data.rl_batch import RLSample
 from moerl.models.arch import TINY
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
-from moerl.rl.config import PolicyConfig
+from moerl.rl.config import RLConfig
 from moerl.rl.critic import Critic
 from moerl.rl.critic_config import CriticConfig
 from moerl.rl.loop import StepEnd
-from moerl.rl.losses import build_objective, global_denominator
+from moerl.rl.losses import global_denominator
 from moerl.rl.losses.value import clipped_value_loss
 from moerl.rl.policy import Policy
 from moerl.rl.resume import RLCheckpoints
@@ -51,9 +51,9 @@ def build(groups: ParallelGroups, critic: CriticConfig | None = None, seed: int 
           kl_in_reward: float = 0.0) -> Policy:
     moe_logging.destroy_moe_metrics_tracker()
     torch.manual_seed(seed)
-    policy = Policy.build(TINY, groups.layout, OPTIM, build_objective("ppo_clip"), groups,
-                          PolicyConfig(token_budget=32, token_advantages="gae",
-                                       kl_in_reward=kl_in_reward))
+    policy = Policy.build(TINY, groups.layout, OPTIM, groups,
+                          RLConfig(objective="ppo_clip", token_budget=32, advantage="gae",
+                                   kl_in_reward=kl_in_reward))
     policy.critic = Critic.build(TINY, groups.layout, OPTIM, groups, critic or CriticConfig(),
                                  init_from=policy.chunks, seed=seed)
     return policy

@@ -118,3 +118,32 @@ def test_config_checks() -> None:
         build_objective("ppo_clip", PPOClipConfig(is_correction=ISCorrectionConfig()))(
             inputs, Denominator(2, 1)
         )
+
+
+def test_versions_of_a_partial_rollout_are_reported() -> None:
+    # Row 0: an update to v4 landed after two tokens (the last token is masked out);
+    # row 1: one version; row 2: padding.
+    versions = torch.tensor([[3, 3, 4, 4, 5], [4, 4, 4, -1, -1], [-1, -1, -1, -1, -1]])
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
+    old, rollout = _logs([[1.0] * 5] * 3)
+    _, m = is_weights(old, rollout, mask, ISCorrectionConfig(), global_denominator([mask]),
+                      versions)
+    assert float(m["is/versions_per_seq_max"]) == 2.0
+    assert float(m["is/older_version_frac"]) == pytest.approx(2 / 7)
+    _, same = is_weights(old, rollout, mask, ISCorrectionConfig(), global_denominator([mask]),
+                         torch.where(mask.bool(), 4, -1))
+    assert float(same["is/versions_per_seq_max"]) == 1.0
+    assert float(same["is/older_version_frac"]) == 0.0
+
+
+def test_packed_samples_carry_their_token_versions() -> None:
+    from moerl.data.rl_batch import RLSample, pack, plan_microbatches
+
+    spanning = RLSample(torch.tensor([1, 2]), torch.tensor([5, 6, 7]), advantage=1.0,
+                        weight_version=3, token_versions=torch.tensor([3, 4, 4]))
+    whole = RLSample(torch.tensor([1]), torch.tensor([8, 9]), advantage=1.0, weight_version=4)
+    (mb,) = pack([spanning, whole], plan_microbatches([spanning, whole], token_budget=16))
+    assert mb.token_versions is not None
+    assert mb.token_versions[0].tolist() == [-1, 3, 4, 4]  # aligned with the loss mask
+    assert mb.token_versions[1].tolist() == [4, 4, -1, -1]
+    assert (mb.token_versions >= 0).tolist() == mb.loss_mask.bool().tolist()

@@ -9,13 +9,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 from megatron.core.transformer.moe import moe_logging
+from policy_logprobs import completion_logprobs
 
 from moerl.data.rl_batch import RLSample
 from moerl.models.arch import TINY
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
-from moerl.rl.config import PolicyConfig
-from moerl.rl.losses import GRPOConfig, build_objective
+from moerl.rl.config import RLConfig
+from moerl.rl.losses import GRPOConfig
 from moerl.rl.policy import Policy
 from moerl.trainer.config import OptimConfig
 
@@ -26,8 +27,8 @@ def policy() -> Iterator[Policy]:
     moe_logging.destroy_moe_metrics_tracker()
     torch.manual_seed(11)
     yield Policy.build(TINY, groups.layout, OptimConfig(lr=1e-3, min_lr=0.0, clip_grad=0.0),
-                       build_objective("grpo", GRPOConfig(kl_coef=0.0)), groups,
-                       PolicyConfig(token_budget=32, use_reference=False))
+                       groups, RLConfig(objective_args=GRPOConfig(kl_coef=0.0), token_budget=32,
+                                        use_reference=False))
     destroy_parallel()
 
 
@@ -41,7 +42,7 @@ def _samples(policy: Policy, shift: float) -> list[RLSample]:
                                 advantage=float(i % 2) - 0.5))
     # The last completion token of sample 0 is masked out: its huge gap must not count.
     samples[0] = dataclasses.replace(samples[0], loss_mask=torch.tensor([1.0, 1.0, 1.0, 0.0]))
-    trainer = policy.completion_logprobs(samples)
+    trainer = completion_logprobs(policy, samples)
     out = []
     for s, lp in zip(samples, trainer, strict=True):
         engine = lp + shift
@@ -64,7 +65,7 @@ def test_identical_logprobs_give_no_gap(policy: Policy) -> None:
 def test_shifted_logprobs_give_that_gap(policy: Policy) -> None:
     samples = _samples(policy, 0.1)
     # exp(lp + 0.1) - exp(lp) = (e^0.1 - 1) p, averaged over the counted tokens.
-    trainer = policy.completion_logprobs(samples)
+    trainer = completion_logprobs(policy, samples)
     probs = torch.cat([(lp[:-1] if s.loss_mask is not None else lp).exp()
                        for s, lp in zip(samples, trainer, strict=True)])
     want = (math.exp(0.1) - 1) * float(probs.double().mean())

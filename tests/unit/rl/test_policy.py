@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from megatron.core.transformer.moe import moe_logging
+from policy_logprobs import completion_logprobs
 
 from moerl.data.rl_batch import RLSample
 from moerl.models.arch import TINY, MoEArch
@@ -17,8 +18,8 @@ from moerl.models.weights import load_weights
 from moerl.models.weights_marker import is_complete
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
-from moerl.rl.config import PolicyConfig
-from moerl.rl.losses import GRPOConfig, PolicyLossInputs, build_objective
+from moerl.rl.config import RLConfig
+from moerl.rl.losses import GRPOConfig, PolicyLossInputs
 from moerl.rl.losses.entropy import entropy_from_logits
 from moerl.rl.policy import Policy, _aux_losses
 from moerl.rl.routing import RoutingReplay
@@ -50,13 +51,14 @@ def make_samples(n: int, vocab: int, seed: int = 0, advantages: list[float] | No
 
 
 def build(groups: ParallelGroups, arch: MoEArch = TINY, lr: float = 1e-3,
-          objective: str = "grpo", obj_cfg: GRPOConfig | None = None,
-          cfg: PolicyConfig | None = None) -> Policy:
+          obj_cfg: GRPOConfig | None = None, **rl: Any) -> Policy:
+    """A GRPO policy (`obj_cfg`: its config); `rl`: fields of the rl group to set."""
     moe_logging.destroy_moe_metrics_tracker()
     torch.manual_seed(11)
+    cfg = RLConfig(**{"token_budget": 32, "routing_replay": True, **rl,
+                      **({"objective_args": obj_cfg} if obj_cfg else {})})
     return Policy.build(arch, groups.layout, OptimConfig(lr=lr, min_lr=0.0, clip_grad=0.0),
-                        build_objective(objective, obj_cfg), groups,
-                        cfg or PolicyConfig(token_budget=32))
+                        groups, cfg)
 
 
 def _unwrapped(policy: Policy) -> torch.nn.Module:
@@ -76,7 +78,7 @@ def test_logprobs_match_full_forward(groups: ParallelGroups) -> None:
         want = torch.log_softmax(logits.float(), -1).gather(-1, mb.labels[..., None])[..., 0]
         assert (lp - want).abs().max() < 1e-5
         assert (ent - entropy_from_logits(logits)).abs().max() < 1e-5
-    per_sample = policy.completion_logprobs(samples)
+    per_sample = completion_logprobs(policy, samples)
     assert [t.numel() for t in per_sample] == [s.completion_ids.numel() for s in samples]
 
 
@@ -84,11 +86,11 @@ def test_gradient_equals_direct_autograd(groups: ParallelGroups) -> None:
     # The update's gradient is the objective's alone (aux_losses=False), MTP head included.
     arch = TINY
     obj_cfg = GRPOConfig(kl_coef=0.1, entropy_coef=0.01, eps_low=0.2, eps_high=0.2)
-    policy = build(groups, arch, obj_cfg=obj_cfg,
-                   cfg=PolicyConfig(token_budget=24, recompute_old_logprobs=False))
+    policy = build(groups, arch, obj_cfg=obj_cfg, token_budget=24,
+                   recompute_old_logprobs=False)
     samples = make_samples(6, arch.vocab_size, seed=1)
     # Old logprobs = current ones + noise, so some ratios leave the clip range.
-    current = policy.completion_logprobs(samples)
+    current = completion_logprobs(policy, samples)
     gen = torch.Generator().manual_seed(5)
     samples = [dataclasses.replace(
         s, rollout_logprobs=lp + 0.4 * torch.randn(lp.shape, generator=gen))
@@ -136,7 +138,7 @@ def test_update_learns_from_rewards(groups: ParallelGroups, tmp_path: Path) -> N
                for a in (1.0, 1.0, -1.0, -1.0)]
 
     def total_logprob() -> list[float]:
-        return [float(t.sum()) for t in policy.completion_logprobs(samples)]
+        return [float(t.sum()) for t in completion_logprobs(policy, samples)]
 
     before = total_logprob()
     history = [policy.update(samples) for _ in range(3)]

@@ -20,8 +20,10 @@ def test_memory_is_accepted_for_every_engine(tmp_path: Path) -> None:
         cfg = load_run_config(["rl.weight_sync=memory", f"rollout.engine={engine}", *hf])
         assert cfg.rl.weight_sync == "memory"
     assert load_run_config(["rl.weight_sync=memory"]).rl.weight_sync == "memory"
-    with pytest.raises(ConfigError, match=r"rl\.weight_sync_bucket_mb"):
-        load_run_config(["rl.weight_sync_bucket_mb=0"])
+    with pytest.raises(ConfigError, match=r"rl\.weight_sync_staging_bytes: 1048576 is below"):
+        load_run_config(["rl.weight_sync_staging_bytes=1048576"])
+    with pytest.raises(ConfigError, match=r"rl\.weight_sync_timeout_s"):
+        load_run_config(["rl.weight_sync_timeout_s=0"])
 
 
 def test_each_engine_gets_its_disk_path_under_the_stream(tmp_path: Path) -> None:

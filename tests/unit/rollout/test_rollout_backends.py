@@ -143,6 +143,22 @@ def test_weight_update_failures_name_the_server() -> None:
         _Recorder(sglang_refuses=True).update("sglang", hosts=("a",))
 
 
+
+def test_an_unreachable_server_is_marked_dead_and_the_others_take_the_version() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "gone":
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200, json={"success": True})
+
+    client = RolloutClient(["http://a:8000", "http://gone:8000"],
+                           transport=httpx.MockTransport(handler))
+    client.update_weights(Path(HF), 7)
+    assert client.dead == {"http://gone:8000"} and client.weight_version == 7
+    client.dead.add("http://a:8000")  # none left to take the next one
+    with pytest.raises(RolloutUnavailable, match="no live server"):
+        client.update_weights(Path(HF), 8)
+    client.close()
+
 _FAKE_ENGINE = """
 import argparse, http.server
 p = argparse.ArgumentParser(); p.add_argument("--host"); p.add_argument("--port", type=int)

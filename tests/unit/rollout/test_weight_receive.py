@@ -1,101 +1,143 @@
-"""What one rollout rank keeps of a streamed version (`rollout.weight_receive`): its
-slices of the tensors it holds and nothing else. The layout is faked here (which
-names this rank holds, and which it holds only a half of); the bytes go through the
-real bucketing, views and buffer pool, from a stand-in group that replays what the
-trainer's `send` broadcasts."""
+"""A weight version over real gloo weight groups, the parties being threads of this
+process: two senders holding tensor-parallel halves, one receiver holding the whole
+tensors (`weight_group.join_with_plan`, `weight_transport`, `weight_receive`). The
+receiver must get exactly its bytes, through at most two staging buffers; a sender
+that stops makes the receiver fail by the deadline, one that leaves the group makes
+it fail at once."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from moerl.models import hf
-from moerl.models.arch import TINY
-from moerl.rollout.weight_group import Manifest, buckets, spec_of
-from moerl.rollout.weight_receive import BufferPool, install, stage
+from moerl.parallel.shard_messages import schedule
+from moerl.parallel.shard_plan import Piece, by_name, routes_from, routes_to
+from moerl.rl.weight_requests import free_port
+from moerl.rollout.weight_group import GroupSpec, Manifest, abort, join_with_plan
+from moerl.rollout.weight_receive import ReceiveLink, install, stage
+from moerl.rollout.weight_transport import Traffic, send_messages
+
+SHAPES = {"rows.weight": (64, 32), "fc1.weight": (32, 16), "norm.weight": (32,)}
+BUFFER = 2048  # bytes: the 8 KiB rows tensor goes in several messages
 
 
-class _Replay:
-    """The receiving side of `weight_group.send`: each broadcast fills the next bucket."""
-
-    def __init__(self, manifest: Manifest, tensors: list[torch.Tensor]) -> None:
-        self.buckets = [torch.cat([tensors[i].reshape(-1).view(torch.uint8) for i in index])
-                        for index in buckets(manifest.tensors, manifest.bucket_bytes)]
-
-    def broadcast(self, into: list[torch.Tensor], _options: Any) -> SimpleNamespace:
-        into[0].copy_(self.buckets.pop(0))
-        return SimpleNamespace(wait=lambda: None)
+def _half(name: str, rank: int) -> Piece:
+    shape = SHAPES[name]
+    if name == "norm.weight":
+        return Piece.whole(name, "float32", shape)
+    if name == "fc1.weight":  # [gate; up]: a quarter of the rows from each half
+        return Piece(name, "float32", shape, 0, ((rank * 8, rank * 8 + 8),
+                                                 (16 + rank * 8, 16 + rank * 8 + 8)))
+    return Piece(name, "float32", shape, 0, ((rank * 32, rank * 32 + 32),))
 
 
-@pytest.fixture
-def layout(monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.nn.Parameter]:
-    """This rank holds `whole.weight`, the first half (rows) of `cut.weight`, and not
-    `other.weight` (another expert-parallel rank's)."""
-    held = {"whole.weight": torch.nn.Parameter(torch.zeros(4, 4)),
-            "cut.weight": torch.nn.Parameter(torch.zeros(2, 4))}
-    monkeypatch.setattr(hf, "local_tensors", lambda _model, _arch: iter(held.items()))
-    monkeypatch.setattr(hf, "held_whole", lambda name, _local: name != "cut.weight")
-    monkeypatch.setattr(hf, "shard", lambda name, full, _local:
-                        full.chunk(2, 0)[0] if name == "cut.weight" else full)
-    return held
+def _slice(whole: torch.Tensor, piece: Piece) -> torch.Tensor:
+    return torch.cat([whole[a:b] for a, b in piece.ranges])
 
 
-def _version(seed: int) -> tuple[Manifest, list[torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {"whole.weight": torch.randn(4, 4, generator=gen),
-               "cut.weight": torch.randn(4, 4, generator=gen),
-               "other.weight": torch.randn(4, 4, generator=gen)}
-    # 64 bytes a tensor, 64-byte buckets: one bucket each
-    manifest = Manifest(tuple(spec_of(n, t) for n, t in tensors.items()), seed, 64)
-    return manifest, list(tensors.values())
+def _run(parties: list[Callable[[], Any]]) -> list[Any]:
+    """Run each party in a thread; its result or the exception it raised, and when
+    it ended (time.monotonic())."""
+    results: list[Any] = [None] * len(parties)
+
+    def go(i: int) -> None:
+        try:
+            results[i] = parties[i](), time.monotonic()
+        except Exception as exc:  # handed to the test, without the frames that hold
+            results[i] = exc.with_traceback(None), time.monotonic()  # its group open
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(parties))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return results
 
 
-def test_a_rank_keeps_only_its_slices(layout: dict[str, torch.nn.Parameter]) -> None:
-    pool = BufferPool()
-    manifest, tensors = _version(1)
-    staged = stage(_Replay(manifest, tensors), manifest, torch.nn.Module(), TINY, pool,
-                   torch.device("cpu"))
-    assert staged.problem is None
-    values = {id(p): v for p, v in staged.values}
-    whole, cut = layout["whole.weight"], layout["cut.weight"]
-    assert torch.equal(values[id(whole)], tensors[0])
-    assert torch.equal(values[id(cut)], tensors[1][:2])
-    # kept: only the bucket this rank holds whole; the other two went through one
-    # scratch buffer, and only `cut`'s half was copied out of it
-    assert [b.numel() for b in staged.kept] == [64]
-    assert values[id(whole)].data_ptr() == staged.kept[0].data_ptr()
-    assert pool.scratch is not None and pool.scratch.numel() == 64
-    assert values[id(cut)].untyped_storage().nbytes() == 32
-    install(staged, pool)
-    assert torch.equal(whole, tensors[0]) and torch.equal(cut, tensors[1][:2])
-    assert pool.live == staged.kept and pool.spare == []
+def _version(stall: int | None = None, leave: int | None = None,
+             timeout_s: float = 20.0) -> tuple[list[Any], dict[str, torch.Tensor],
+                                               dict[str, torch.nn.Parameter], float]:
+    """Version 1 from senders 0 and 1 into receiver 2; sender `stall` stops after its
+    first message, sender `leave` leaves the group instead of sending."""
+    spec = GroupSpec("127.0.0.1", free_port("127.0.0.1"), 2, 3, "test", "gloo", timeout_s)
+    gen = torch.Generator().manual_seed(0)
+    wholes = {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+    params = {n: torch.nn.Parameter(torch.zeros(s)) for n, s in SHAPES.items()}
+    mine = [Piece.whole(n, "float32", s) for n, s in SHAPES.items()]
+    started = time.monotonic()
+
+    def sender(rank: int) -> Traffic:
+        pieces = [_half(n, rank) for n in SHAPES]
+        group, routes = join_with_plan(spec, rank, pieces, [],
+                                       lambda senders, receivers: routes_from(
+                                           senders.get(rank, []), receivers))
+        if rank == leave:
+            abort(group)
+            return Traffic()
+        plan = schedule({(rank, d): ts for d, ts in routes.items()}, BUFFER)
+        if rank == stall:
+            plan = plan[:1]
+        tensors = {p.name: _slice(wholes[p.name], p) for p in pieces}
+        traffic = Traffic()
+        send_messages(group, rank, plan, tensors, torch.device("cpu"),
+                      time.monotonic() + timeout_s, traffic)
+        if rank == stall:
+            time.sleep(timeout_s + 2)
+        return traffic
+
+    def receiver() -> Any:
+        group, routes = join_with_plan(spec, 2, [], mine,
+                                       lambda senders, _: routes_to(mine, by_name(senders)))
+        link = ReceiveLink(group, spec, 2, [(p, params[p.name]) for p in mine], routes)
+        try:
+            return stage(link, Manifest(1, "test", BUFFER))
+        except Exception:
+            abort(group)  # as the engine does: its senders' waits end too
+            raise
+
+    results = _run([lambda: sender(0), lambda: sender(1), receiver])
+    return results, wholes, params, started
 
 
-def test_a_version_reuses_the_buffers_of_the_one_before_the_last(
-        layout: dict[str, torch.nn.Parameter]) -> None:
-    """The live weights are views of the last version's buffers; the version before's
-    are free, and the next version is received into them (double buffering)."""
-    pool = BufferPool()
-    kept: list[int] = []
-    for seed in (1, 2, 3):
-        manifest, tensors = _version(seed)
-        staged = stage(_Replay(manifest, tensors), manifest, torch.nn.Module(), TINY, pool,
-                       torch.device("cpu"))
-        install(staged, pool)
-        kept.append(staged.kept[0].data_ptr())
-        assert layout["whole.weight"].data_ptr() == kept[-1]
-        assert torch.equal(layout["whole.weight"], tensors[0])
-    assert kept[2] == kept[0] != kept[1]
+def test_the_receiver_gets_exactly_its_bytes_and_swaps_them_in() -> None:
+    ((sent0, _), (sent1, _), (staged, _)), wholes, params, _ = _version()
+    traffic = staged.traffic
+    assert traffic.bytes_received == sent0.bytes_sent + sent1.bytes_sent
+    assert traffic.bytes_received <= 1.1 * staged.held_bytes
+    # the norm both senders hold whole comes from one of them only
+    assert staged.held_bytes == sum(t.numel() * 4 for t in wholes.values())
+    for traffic in (sent0, sent1, staged.traffic):
+        assert 0 < traffic.staging_bytes <= 2 * BUFFER
+    assert traffic.messages_received > 3  # the rows tensor went in pieces
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in params.values())  # not yet
+    install(staged)
+    for name, whole in wholes.items():
+        assert torch.equal(params[name], whole)
+    assert staged.values == []  # nothing of the version is kept beside the weights
 
 
-def test_a_missing_tensor_is_named_and_nothing_changes(
-        layout: dict[str, torch.nn.Parameter]) -> None:
-    manifest, tensors = _version(1)
-    short = Manifest(manifest.tensors[1:], 1, 64)
-    staged = stage(_Replay(short, tensors[1:]), short, torch.nn.Module(), TINY, BufferPool(),
-                   torch.device("cpu"))
-    assert staged.problem == "version 1: whole.weight was not sent"
-    assert torch.equal(layout["whole.weight"], torch.zeros(4, 4))
+def test_a_stalled_sender_fails_the_receiver_by_the_deadline() -> None:
+    results, _, params, started = _version(stall=1, timeout_s=3.0)
+    failure, ended = results[2]
+    assert isinstance(failure, TimeoutError)
+    assert 3.0 <= ended - started < 10.0
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in params.values())
+
+
+def test_a_sender_that_leaves_fails_the_receiver_at_once() -> None:
+    results, _, _, started = _version(leave=0, timeout_s=30.0)
+    (failure, ended), (other, other_ended) = results[2], results[1]
+    assert isinstance(failure, RuntimeError) and not isinstance(failure, TimeoutError)
+    assert ended - started < 20.0  # not the 30 s timeout
+    # the other sender, whose receiver left, is not left waiting either
+    assert isinstance(other, RuntimeError) and other_ended - started < 20.0
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)

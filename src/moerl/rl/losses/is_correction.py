@@ -20,6 +20,13 @@ Modes:
 
 Weights carry no gradient. Dropped tokens keep their place in the global denominator,
 so gradient accumulation stays exact; they simply contribute zero.
+
+With partial rollouts a weight update can land during a generation: its tokens then
+come from two versions, each with the rollout logprob of the version that sampled it,
+so rho_t corrects each token against its own sampler. Given the per-token versions, the
+metrics say how many versions sampled a sequence (`is/versions_per_seq_max`) and what
+share of tokens an older version than the last of its sequence sampled
+(`is/older_version_frac`).
 """
 
 from __future__ import annotations
@@ -36,10 +43,11 @@ def is_weights(
     loss_mask: torch.Tensor,
     cfg: ISCorrectionConfig,
     denom: Denominator,
+    token_versions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token IS weights (B, T), detached, zero on masked tokens; and their metrics.
 
-    old_logprobs, rollout_logprobs, loss_mask: (B, T).
+    old_logprobs, rollout_logprobs, loss_mask: (B, T); token_versions: (B, T) int64.
     """
     with torch.no_grad():
         mask = loss_mask.bool()
@@ -73,4 +81,25 @@ def is_weights(
         # KL(pi_rollout || pi_old) by k3 over sampled tokens: how far apart the two are.
         "is/mismatch_kl": token_share(torch.expm1(log_rho) - log_rho, loss_mask, denom),
     }
+    if token_versions is not None:
+        metrics.update(version_metrics(token_versions, loss_mask, denom))
     return weights, metrics
+
+
+def version_metrics(versions: torch.Tensor, loss_mask: torch.Tensor, denom: Denominator
+                    ) -> dict[str, torch.Tensor]:
+    """Distinct weight versions among each sequence's loss tokens (max over sequences), and
+    the share of loss tokens sampled before the last version of their sequence.
+
+    versions (B, T) int64, loss_mask (B, T).
+    """
+    mask = loss_mask.bool()
+    low = torch.iinfo(versions.dtype).min
+    own = torch.where(mask, versions, torch.full_like(versions, low))  # (B, T)
+    ordered = torch.sort(own, dim=-1).values
+    starts = torch.ones_like(ordered[:, :1], dtype=torch.bool)  # (B, 1)
+    new = torch.cat([starts, ordered[:, 1:] != ordered[:, :-1]], dim=-1) & (ordered != low)
+    per_seq = new.sum(dim=-1).to(torch.float32)  # (B,) versions; 0 for a row without loss
+    older = mask & (versions < own.amax(dim=-1, keepdim=True))
+    return {"is/versions_per_seq_max": per_seq.max(),
+            "is/older_version_frac": token_share(older.to(torch.float32), loss_mask, denom)}

@@ -42,12 +42,16 @@ class PolicyLossInputs:
     """(B, T) reference-policy logprobs; needed for a KL term."""
     entropy: torch.Tensor | None = None
     """(B, T) per-token entropy of the current policy; needed for an entropy bonus."""
+    token_versions: torch.Tensor | None = None
+    """(B, T) int64 weight version that sampled each token (partial rollouts: two in one
+    sequence); the IS correction reports them."""
 
     def __post_init__(self) -> None:
         shape = self.logprobs.shape
         if self.logprobs.dim() != 2:
             raise ValueError(f"logprobs must be (B, T), got {tuple(shape)}")
-        for name in ("old_logprobs", "loss_mask", "rollout_logprobs", "ref_logprobs", "entropy"):
+        for name in ("old_logprobs", "loss_mask", "rollout_logprobs", "ref_logprobs", "entropy",
+                     "token_versions"):
             t = getattr(self, name)
             if t is not None and t.shape != shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, logprobs {tuple(shape)}")
@@ -81,6 +85,7 @@ class PolicyLossInputs:
             rollout_logprobs=maybe(self.rollout_logprobs),
             ref_logprobs=maybe(self.ref_logprobs),
             entropy=maybe(self.entropy),
+            token_versions=self.token_versions,
         )
 
     def token_advantages(self) -> torch.Tensor:

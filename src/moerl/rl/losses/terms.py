@@ -43,7 +43,8 @@ def finish_loss(
         if inputs.rollout_logprobs is None:
             raise ValueError("is_correction is configured but rollout_logprobs were not given")
         weights, is_metrics = is_weights(
-            inputs.old_logprobs, inputs.rollout_logprobs, mask, cfg.is_correction, denom
+            inputs.old_logprobs, inputs.rollout_logprobs, mask, cfg.is_correction, denom,
+            inputs.token_versions,
         )
         pg_tokens = pg_tokens * weights
         metrics.update(is_metrics)
