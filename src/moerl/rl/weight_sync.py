@@ -6,14 +6,14 @@ Two filesystem strategies, chosen from `rollout.engine` by `build_weight_sync`:
   weights together to `<root>/v<version>` (atomic; see models.weights), then the
   controller asks each server to load that directory.
 - `HFExportWeightSync` (vLLM, SGLang: they read Hugging Face checkpoints only):
-  the shards are gathered to global rank 0 over tensor, expert and pipeline
-  parallelism (`models.hf.export_hf`: every rank takes part, rank 0 writes
-  safetensors + config.json), the directory is completed with the served model's
-  tokenizer files and renamed into place, and only then does the controller send
-  the engine's update call (`rollout.backends.weight_update_calls`) naming it.
+  every rank writes the tensors it is assigned to safetensors files of its own
+  (`models.hf.export_hf`: nothing gathered to one rank; rank 0 writes the index and
+  config.json), the directory is completed with the served model's tokenizer files
+  and renamed into place, and only then does the controller send the engine's update
+  call (`rollout.backends.weight_update_calls`) naming it.
 
 `engines` is given on the controller only, which is global rank 0 (the rank that
-writes the HF export); every trainer rank calls `push`.
+renames the HF export into place); every trainer rank calls `push`.
 
 `rl.weight_sync=memory` streams each version to the servers over a process group
 instead (`rl.weight_stream`: every trainer rank its own slices to moerl servers;
@@ -126,6 +126,8 @@ class HFExportWeightSync(_Announcer):
         writer = not dist.is_initialized() or dist.get_rank() == 0
         if writer:
             shutil.rmtree(partial, ignore_errors=True)
+        if dist.is_initialized():  # every rank writes into it: none before it is cleared
+            dist.barrier()
         export_hf(chunks, policy.arch, partial, base_config=self.base_config, dtype=self.dtype)
         if not writer:
             return
