@@ -30,7 +30,7 @@ test: lint typecheck
 
 # Full sizes; `make test` runs each benchmark with --smoke
 # (tests/integration/test_benchmarks_smoke.py). benchmarks/_*.py are their helpers.
-# learning_vs_trl.py needs the bench extra: .venv/bin/pip install -e '.[bench]'
+# learning_vs_trl.py needs the bench extra (TRL), which scripts/setup.sh installs.
 bench: setup
 	for b in benchmarks/[!_]*.py; do $(PY) $$b || exit 1; done
 

@@ -2,15 +2,19 @@
 
     python benchmarks/_trl_side.py <spec.json> <result.json>
 
-spec: the run config that `moerl train` composed (model, data, sft, optim, rl, reward
-concurrency). The model is transformers' DeepseekV3ForCausalLM with moerl's
-architecture (models.hf_mapping.hf_config_from_arch: the same layers, MLA, routed and
-shared experts, sigmoid router; no MTP head, and the router's expert bias is not
-updated); the tokenizer is moerl's byte-level one behind a PreTrainedTokenizer. SFT is
-TRL's SFTTrainer on the same rows in the same order, then TRL's GRPOTrainer starts from
-the saved SFT model with the same prompts per step. Rewards and held-out grades run
-each program's unit tests in a fresh `python -I -S` with a timeout, never in moerl's
-sandbox. result: seconds of each RL step and held-out greedy pass rates, with times.
+spec: the run config that `moerl train` composed (model, data, sft, optim, rl), the
+transformers model to train (`kind`: deepseek_v3 or qwen3_moe, benchmarks/_hf_models.py),
+the Hugging Face directory it starts from (`init`; none: a fresh model drawn with
+`rl.seed`), the reward server's URL, and where to save the model after SFT (`save`).
+
+SFT is TRL's SFTTrainer on moerl's SFT rows in moerl's order with moerl's SFT optimizer
+(`trainer.sft.sft_optim`: Adam settings, warm-up, cosine to a tenth), then TRL's
+GRPOTrainer from the saved SFT model with moerl's RL optimizer (`optim`), prompts in
+moerl's order, group size, updates per step, sampling, clip range and KL coefficient.
+Rewards and held-out grades go to a moerl reward server (`moerl serve reward`, the
+sandbox), as moerl's do: the same reward code at the same cost per item.
+result: seconds of each RL step and of its rewards, and the held-out greedy pass rates
+with their times.
 """
 
 from __future__ import annotations
@@ -22,123 +26,47 @@ STARTED = time.time()  # before the imports: they are part of the start-up
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+from _hf_models import BytesTokenizer, build  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from datasets.table import InMemoryTable  # noqa: E402
-from transformers import (  # noqa: E402
-    DeepseekV3Config,
-    DeepseekV3ForCausalLM,
-    PreTrainedTokenizer,
-    TrainerCallback,
-    set_seed,
-)
+from transformers import AutoModelForCausalLM, TrainerCallback, set_seed  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 from moerl.data.prompts import DataConfig, PromptRecord, PromptStream, load_prompts  # noqa: E402
-from moerl.data.tokenizer import ByteTokenizer  # noqa: E402
 from moerl.models.arch import MoEArch  # noqa: E402
-from moerl.models.hf_mapping import hf_config_from_arch  # noqa: E402
+from moerl.rewards.client import RewardClient, RewardClientConfig, ScoreItem  # noqa: E402
 from moerl.rl.objective_config import GRPOConfig as GRPOObjective  # noqa: E402
+from moerl.trainer.config import OptimConfig  # noqa: E402
+from moerl.trainer.config import SFTConfig as MoerlSFT  # noqa: E402
+from moerl.trainer.sft import sft_optim  # noqa: E402
 from moerl.typed_config import from_dict  # noqa: E402
-
-# Runs each top-level statement of `check` that holds an assert as one test (the rule
-# moerl's reward uses) and prints "passed total" last.
-GRADER = """
-import ast, json, sys
-spec = json.loads(sys.stdin.read())
-passed = total = 0
-try:
-    scope = {}
-    exec(compile(spec["program"], "<candidate>", "exec"), scope)
-    candidate = scope[spec["entry_point"]]
-except BaseException:
-    candidate = None
-tests = ast.parse(spec["test"])
-check = next(n for n in tests.body if isinstance(n, ast.FunctionDef) and n.name == "check")
-where = {}
-exec(compile(ast.Module([n for n in tests.body if n is not check], []), "<tests>", "exec"), where)
-for stmt in check.body:
-    if not any(isinstance(x, ast.Assert) for x in ast.walk(stmt)):
-        continue
-    total += 1
-    if candidate is None:
-        continue
-    try:
-        exec(compile(ast.Module([stmt], []), "<test>", "exec"), {**where, "candidate": candidate})
-        passed += 1
-    except BaseException:
-        pass
-print()
-print(passed, total)
-"""
 
 
 class Grader:
-    """Fraction of unit tests passed per program, `workers` interpreters at a time."""
+    """Rewards of completions from the reward server; `busy_s`: wall time spent there."""
 
-    def __init__(self, workers: int, timeout_s: float = 5.0) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=workers)
-        self.timeout_s = timeout_s
-        self.busy_s = 0.0  # wall time spent in `many`
+    def __init__(self, url: str, batch_size: int, seed: int) -> None:
+        self.client = RewardClient(RewardClientConfig(batch_size=batch_size), urls=(url,),
+                                   seed=seed)
+        self.busy_s = 0.0
+        self.calls = 0  # the client's cache is per call, as moerl's is per step
 
-    def one(self, program: str, test: str, entry_point: str) -> float:
-        spec = json.dumps({"program": program, "test": test, "entry_point": entry_point})
-        try:
-            done = subprocess.run([sys.executable, "-I", "-S", "-c", GRADER], input=spec,
-                                  capture_output=True, text=True, timeout=self.timeout_s)
-            passed, total = (int(x) for x in done.stdout.splitlines()[-1].split())
-        except (subprocess.TimeoutExpired, ValueError, IndexError):
-            return 0.0
-        return passed / total if total else 0.0
-
-    def many(self, programs: list[str], tests: list[str], entry_points: list[str]) -> list[float]:
+    def many(self, records: list[PromptRecord], completions: list[str]) -> list[float]:
         started = time.perf_counter()
-        scores = list(self.pool.map(self.one, programs, tests, entry_points))
+        items = [ScoreItem(r.reward, c, r.spec) for r, c in zip(records, completions, strict=True)]
+        self.calls += 1
+        report = self.client.score(items, step=self.calls)
         self.busy_s += time.perf_counter() - started
-        return scores
+        return [0.0 if r.reward is None else r.reward for r in report.results]
 
 
-class BytesTokenizer(PreTrainedTokenizer):
-    """moerl's ByteTokenizer for transformers: UTF-8 bytes are ids 0..255, then BOS, EOS
-    and PAD at moerl's ids; a text is encoded as [BOS] bytes, like moerl's prompts."""
-
-    model_input_names = ["input_ids", "attention_mask"]  # noqa: RUF012 (the base's type)
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                         special_tokens_pattern="bos", **kwargs)
-        byte = ByteTokenizer()
-        assert (self.bos_token_id, self.eos_token_id, self.pad_token_id) == (
-            byte.bos_id, byte.eos_id, byte.pad_id), "special ids differ from moerl's"
-
-    @property
-    def vocab_size(self) -> int:
-        return 256
-
-    def get_vocab(self) -> dict[str, int]:
-        return {**{chr(i): i for i in range(256)}, **self.added_tokens_encoder}
-
-    def _tokenize(self, text: str, **kwargs: Any) -> list[str]:
-        return [chr(b) for b in text.encode("utf-8")]
-
-    def _convert_token_to_id(self, token: str) -> int:
-        return ord(token)
-
-    def _convert_id_to_token(self, index: int) -> str:
-        return chr(index) if index < 256 else ""
-
-    def convert_tokens_to_string(self, tokens: list[str]) -> str:
-        return bytes(ord(t) for t in tokens if len(t) == 1).decode("utf-8", errors="replace")
-
-
-def rows_dataset(rows: list[dict[str, str]]) -> Dataset:
+def rows_dataset(rows: list[dict[str, Any]]) -> Dataset:
     """A Dataset fingerprinted by a hash of its rows. Left to itself, datasets hashes the
     table with dill, which copies modules found outside a site-packages folder by value
     and fails on pyarrow's (`pip install --target`, PYTHONPATH)."""
@@ -146,18 +74,9 @@ def rows_dataset(rows: list[dict[str, str]]) -> Dataset:
     return Dataset(InMemoryTable.from_pylist(rows), fingerprint=digest)
 
 
-def build_model(arch: MoEArch, tok: BytesTokenizer) -> DeepseekV3ForCausalLM:
-    config = hf_config_from_arch(arch, {"bos_token_id": tok.bos_token_id,
-                                        "eos_token_id": tok.eos_token_id,
-                                        "pad_token_id": tok.pad_token_id})
-    for key in ("architectures", "model_type"):
-        config.pop(key)
-    return DeepseekV3ForCausalLM(DeepseekV3Config(**config))
-
-
 def greedy_pass_rate(model: Any, tok: BytesTokenizer, held_out: list[PromptRecord],
                      max_tokens: int, grader: Grader) -> float:
-    """Share of held-out tasks whose greedy completion passes every test."""
+    """Share of held-out tasks whose greedy completion passes every test (reward 1)."""
     was_training = model.training
     model.eval()
     tok.padding_side = "left"
@@ -167,10 +86,7 @@ def greedy_pass_rate(model: Any, tok: BytesTokenizer, held_out: list[PromptRecor
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model.train(was_training)
     texts = tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
-    scores = grader.many([r.prompt + t for r, t in zip(held_out, texts, strict=True)],
-                         [r.spec["test"] for r in held_out],
-                         [r.spec["entry_point"] for r in held_out])
-    return sum(s == 1.0 for s in scores) / len(scores)
+    return sum(s == 1.0 for s in grader.many(held_out, texts)) / len(held_out)
 
 
 class Clock(TrainerCallback):
@@ -182,14 +98,16 @@ class Clock(TrainerCallback):
         self.updates, self.steps, self.interval = updates, steps, interval
         self.evaluate, self.grader, self.t0 = evaluate, grader, t0
         self.step_s: list[float] = []
-        self.reward_s: list[float] = []  # of which in the reward function
+        self.reward_s: list[float] = []  # of which in the reward server
         self.rewards: list[float] = []  # mean reward of each RL step's samples
-        self.evals: list[tuple[int, float, float]] = []  # (RL step, s since SFT start, rate)
+        # (RL step, s since SFT start at its end, pass rate, s it took)
+        self.evals: list[tuple[int, float, float, float]] = []
         self._begun = self._graded = 0.0
 
     def _eval(self, step: int, model: Any) -> None:
+        started = time.perf_counter()
         rate = self.evaluate(model)
-        self.evals.append((step, time.time() - self.t0, rate))
+        self.evals.append((step, time.time() - self.t0, rate, time.perf_counter() - started))
         print(f"eval at step {step}: pass rate {rate:.3f}", flush=True)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
@@ -216,26 +134,49 @@ class Clock(TrainerCallback):
             self._eval(step, kwargs["model"])
 
 
-def schedule(optim: dict[str, Any]) -> dict[str, Any]:
-    """moerl's learning-rate schedule (warm-up, cosine to min_lr) in Trainer arguments."""
-    lr, min_lr = optim["lr"], optim["min_lr"]
-    if min_lr == lr:
-        return {"learning_rate": lr, "lr_scheduler_type": "constant_with_warmup",
-                "warmup_steps": optim["warmup_steps"]}
-    return {"learning_rate": lr, "lr_scheduler_type": "cosine_with_min_lr",
-            "lr_scheduler_kwargs": {"min_lr": min_lr}, "warmup_steps": optim["warmup_steps"]}
+def schedule(optim: OptimConfig, steps: int) -> dict[str, Any]:
+    """moerl's learning-rate schedule (warm-up from 0, cosine from lr to min_lr over
+    `decay_steps`) in Trainer arguments, for a run of `steps` optimizer steps."""
+    if optim.min_lr == optim.lr:
+        return {"learning_rate": optim.lr, "lr_scheduler_type": "constant_with_warmup",
+                "warmup_steps": optim.warmup_steps}
+    if steps > optim.warmup_steps and optim.decay_steps != steps:
+        raise SystemExit(f"moerl's cosine decays over {optim.decay_steps} steps, this run "
+                         f"takes {steps}: Trainer's cosine_with_min_lr cannot match it")
+    return {"learning_rate": optim.lr, "lr_scheduler_type": "cosine_with_min_lr",
+            "lr_scheduler_kwargs": {"min_lr": optim.min_lr}, "warmup_steps": optim.warmup_steps}
 
 
-def adam(optim: dict[str, Any]) -> dict[str, Any]:
-    return {"weight_decay": optim["weight_decay"], "adam_beta1": optim["adam_beta1"],
-            "adam_beta2": optim["adam_beta2"], "adam_epsilon": optim["adam_eps"],
-            "max_grad_norm": optim["clip_grad"]}
+def adam(optim: OptimConfig) -> dict[str, Any]:
+    return {"weight_decay": optim.weight_decay, "adam_beta1": optim.adam_beta1,
+            "adam_beta2": optim.adam_beta2, "adam_epsilon": optim.adam_eps,
+            "max_grad_norm": optim.clip_grad}
 
 
 # Both trainers on this machine's CPU in float32, like moerl here; no activation
-# recomputation (TRL turns it on by default; the tiny model does not need it).
+# recomputation (TRL turns it on by default; the tiny model does not need it); no MoE
+# balance loss (TRL adds Qwen3-MoE's own otherwise; moerl runs without one).
 COMMON = {"use_cpu": True, "bf16": False, "gradient_checkpointing": False,
-          "report_to": "none", "save_strategy": "no", "disable_tqdm": True}
+          "report_to": "none", "save_strategy": "no", "disable_tqdm": True,
+          "router_aux_loss_coef": 0.0}
+
+
+def run_sft(spec: dict[str, Any], model: Any, tok: BytesTokenizer,
+            records: list[PromptRecord], out: Path) -> float:
+    """moerl's SFT rows, order and optimizer through TRL's SFTTrainer; its seconds."""
+    sft = from_dict(MoerlSFT, spec["sft"], "sft")
+    rows = rows_dataset([{"prompt": r.prompt, "completion": r.reference} for r in records
+                         if r.reference])
+    args = SFTConfig(
+        output_dir=str(out / "sft"), max_steps=sft.steps,
+        per_device_train_batch_size=sft.global_batch, max_length=sft.seq_length + 1,
+        completion_only_loss=True, shuffle_dataset=False, train_sampling_strategy="sequential",
+        logging_steps=max(1, sft.steps // 20), seed=spec["rl"]["seed"], **COMMON,
+        **adam(sft_optim(sft)), **schedule(sft_optim(sft), sft.steps))
+    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tok)
+    started = time.time()
+    trainer.train()
+    return time.time() - started
 
 
 def main(spec_path: str, result_path: str) -> None:
@@ -243,39 +184,27 @@ def main(spec_path: str, result_path: str) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     arch = from_dict(MoEArch, spec["model"], "model")
     data = from_dict(DataConfig, spec["data"], "data")
-    sft, optim, rl = spec["sft"], spec["optim"], spec["rl"]
+    optim = from_dict(OptimConfig, spec["optim"], "optim")
+    rl = spec["rl"]
     objective = from_dict(GRPOObjective, rl["objective_args"], "rl.objective_args")
     records, held_out, _ = load_prompts(data)
     tok = BytesTokenizer()
-    set_seed(rl["seed"])  # the initial weights
-    model = build_model(arch, tok)
-    grader = Grader(spec["reward_workers"])
+    set_seed(rl["seed"])  # a fresh model's weights; sampling
+    model = (AutoModelForCausalLM.from_pretrained(spec["init"]) if spec["init"]
+             else build(spec["kind"], arch))
+    grader = Grader(spec["reward_url"], spec["reward_batch"], rl["seed"])
     out = Path(tempfile.mkdtemp(prefix="trl-side-"))
-
-    rows = rows_dataset([{"prompt": r.prompt, "completion": r.reference} for r in records
-                         if r.reference])
-    sft_args = SFTConfig(
-        output_dir=str(out / "sft"), max_steps=sft["steps"],
-        per_device_train_batch_size=sft["global_batch"], max_length=sft["seq_length"] + 1,
-        completion_only_loss=True, shuffle_dataset=False, train_sampling_strategy="sequential",
-        logging_steps=max(1, sft["steps"] // 20), seed=rl["seed"], **COMMON,
-        **adam(optim), **schedule({**optim, "lr": sft["lr"], "min_lr": sft["lr"] / 10,
-                                   "warmup_steps": sft["warmup_steps"]}))
-    sft_trainer = SFTTrainer(model=model, args=sft_args, train_dataset=rows,
-                             processing_class=tok)
     t0 = time.time()
-    sft_trainer.train()
-    sft_s = time.time() - t0
-    sft_trainer.save_model(str(out / "sft-model"))
+    sft_s = run_sft(spec, model, tok, records, out) if spec["sft"]["steps"] else 0.0
+    start = spec["save"] or str(out / "sft-model")
+    model.save_pretrained(start)
 
     prompts = PromptStream(records, seed=data.seed).take(rl["steps"] * rl["prompts_per_step"])
-    dataset = rows_dataset([{"prompt": r.prompt, "test": r.spec["test"],
-                            "entry_point": r.spec["entry_point"]} for r in prompts])
+    by_index = {i: r for i, r in enumerate(prompts)}
+    dataset = rows_dataset([{"prompt": r.prompt, "index": i} for i, r in by_index.items()])
 
-    def reward(prompts: list[str], completions: list[str], test: list[str],
-               entry_point: list[str], **_: Any) -> list[float]:
-        return grader.many([p + c for p, c in zip(prompts, completions, strict=True)],
-                           test, entry_point)
+    def reward(completions: list[str], index: list[int], **_: Any) -> list[float]:
+        return grader.many([by_index[i] for i in index], completions)
 
     samples = rl["prompts_per_step"] * rl["group_size"]
     sampling = rl["sampling"]
@@ -288,11 +217,11 @@ def main(spec_path: str, result_path: str) -> None:
         beta=objective.kl_coef, epsilon=objective.eps_low, epsilon_high=objective.eps_high,
         loss_type="grpo", scale_rewards="group", shuffle_dataset=False,
         logging_steps=rl["updates_per_step"], seed=rl["seed"], **COMMON,
-        **adam(optim), **schedule(optim))
+        **adam(optim), **schedule(optim, rl["steps"] * rl["updates_per_step"]))
     clock = Clock(rl["updates_per_step"], rl["steps"], rl["eval_interval"],
                   lambda m: greedy_pass_rate(m, tok, held_out, sampling["max_tokens"], grader),
                   grader, t0)
-    grpo = GRPOTrainer(model=str(out / "sft-model"), reward_funcs=reward, args=grpo_args,
+    grpo = GRPOTrainer(model=start, reward_funcs=reward, args=grpo_args,
                        train_dataset=dataset, processing_class=tok, callbacks=[clock])
     grpo.train()
     result = {"started": STARTED, "sft_start": t0, "sft_s": sft_s,

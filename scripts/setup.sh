@@ -58,6 +58,7 @@ echo "using $PY"
 # torch first and alone: pip otherwise resolves it together with megatron-core's range.
 "$VENV/bin/pip" install -q --upgrade pip
 "$VENV/bin/pip" install -q "torch==2.13.0" numpy packaging
-"$VENV/bin/pip" install -q -e ".[dev,rewards,launch,hf]"
+# bench: TRL for benchmarks/learning_vs_trl.py, whose smoke test `make test` runs.
+"$VENV/bin/pip" install -q -e ".[dev,rewards,launch,hf,bench]"
 touch "$STAMP"
 echo "environment ready: $VENV"

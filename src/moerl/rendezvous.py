@@ -94,6 +94,12 @@ def read_endpoints(rendezvous_dir: Path | str, stage: str) -> list[str]:
     return [addr for _, addr in sorted(found)]
 
 
+def server_urls(rendezvous_dir: Path | str, stage: str) -> list[str]:
+    """The `http://host:port` of every replica of `stage` announced so far, in rank order:
+    how every client (rollout, reward, environment) finds its servers."""
+    return [f"http://{address}" for address in read_endpoints(rendezvous_dir, stage)]
+
+
 def discover(
     rendezvous_dir: Path | str,
     stage: str,

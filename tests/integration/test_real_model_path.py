@@ -31,8 +31,7 @@ from hf_parity_worker import tiny_hf_checkpoint
 from tiny_rl_data import comment_tasks
 from tokenizer_dirs import make_tokenizer_dir
 
-from moerl.rendezvous import read_endpoints
-from moerl.rollout.client import discover
+from moerl.rendezvous import read_endpoints, server_urls
 
 pytestmark = pytest.mark.timeout(600)
 VOCAB = 384  # the checkpoint's; the trained tokenizer holds fewer
@@ -59,7 +58,7 @@ def _serve(weights: Path, arch: Path, tokenizer: Path, rendezvous: Path) -> subp
          "--arch-file", str(arch), "--tokenizer", str(tokenizer), "--rendezvous-dir",
          str(rendezvous)], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
-    while not discover(rendezvous):
+    while not server_urls(rendezvous, "rollout"):
         if proc.poll() is not None:
             raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-3000:]}")  # type: ignore[union-attr]
         assert time.monotonic() < deadline, "the rollout server did not come up"

@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from moerl.rewards.client import RewardClient, RewardClientConfig, ScoreItem, discover
+from moerl.rendezvous import server_urls
+from moerl.rewards.client import RewardClient, RewardClientConfig, ScoreItem
 from moerl.rewards.protocol import RewardResult
 from moerl.sandbox import Sandbox
 
@@ -73,10 +74,10 @@ def start_server(rendezvous: Path, *flags: str,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while not discover(rendezvous) and time.monotonic() < deadline:
+        while not server_urls(rendezvous, "reward") and time.monotonic() < deadline:
             assert proc.poll() is None, "reward server exited during start-up"
             time.sleep(0.1)
-        assert discover(rendezvous), "reward server never announced itself"
+        assert server_urls(rendezvous, "reward"), "reward server never announced itself"
     except BaseException:
         proc.kill()
         proc.wait()
@@ -135,7 +136,7 @@ def test_mixed_hostile_batch_is_scored_and_the_server_survives(server: tuple[Any
     assert statuses == ["timeout", "memory_limit", "output_limit"]
     assert report.results[8].error_kind == "invalid_spec"
     assert report.metrics["reward/infra_errors"] == 0
-    health = httpx.get(f"{discover(rendezvous)[0]}/health", timeout=5).json()
+    health = httpx.get(f"{server_urls(rendezvous, "reward")[0]}/health", timeout=5).json()
     assert health["status"] == "ok" and proc.poll() is None
 
 
@@ -150,7 +151,7 @@ def test_a_poison_item_leaves_the_rest_of_its_batch_scored(server: tuple[Any, Pa
     items.insert(5, {"id": "bad-\udc80", "reward": "humaneval",
                      "completion": "    return x * x\n", "spec": HE})  # fmt: skip
     body = json.dumps({"items": items})  # ensure_ascii: the surrogates travel escaped
-    response = httpx.post(f"{discover(rendezvous)[0]}/score", content=body, timeout=60,
+    response = httpx.post(f"{server_urls(rendezvous, "reward")[0]}/score", content=body, timeout=60,
                           headers={"content-type": "application/json"})  # fmt: skip
     assert response.status_code == 200, response.text
     rows = response.json()["results"]
@@ -166,7 +167,7 @@ def test_a_poison_item_leaves_the_rest_of_its_batch_scored(server: tuple[Any, Pa
 
 def _post(rendezvous: Path, items: list[Any]) -> list[dict[str, Any]]:
     body = json.dumps({"items": items})  # ensure_ascii: lone surrogates travel escaped
-    response = httpx.post(f"{discover(rendezvous)[0]}/score", content=body, timeout=60,
+    response = httpx.post(f"{server_urls(rendezvous, "reward")[0]}/score", content=body, timeout=60,
                           headers={"content-type": "application/json"})  # fmt: skip
     assert response.status_code == 200, response.text
     rows: list[dict[str, Any]] = response.json()["results"]
@@ -234,7 +235,7 @@ def test_hostile_contents_of_one_item_are_answered_for_that_item(
         items.append({"id": uuid.uuid4().hex, **good})
     # An integer of 5000 digits, which Python's own JSON parser refuses, whole document.
     body = json.dumps({"items": items}).replace('"LONG"', "9" * 5000)
-    response = httpx.post(f"{discover(server[1])[0]}/score", content=body, timeout=60,
+    response = httpx.post(f"{server_urls(server[1], "reward")[0]}/score", content=body, timeout=60,
                           headers={"content-type": "application/json"})  # fmt: skip
     assert response.status_code == 200, response.text
     rows = response.json()["results"]
@@ -252,7 +253,7 @@ def test_hostile_contents_of_one_item_are_answered_for_that_item(
 
 
 def test_a_batch_over_the_limit_is_refused_with_413(server: tuple[Any, Path]) -> None:
-    url = discover(server[1])[0]
+    url = server_urls(server[1], "reward")[0]
     limit = httpx.get(f"{url}/health", timeout=5).json()["max_batch_items"]
     items = [{"id": f"i{i}", "reward": "nope", "completion": "", "spec": {}}
              for i in range(limit + 1)]  # fmt: skip
@@ -262,7 +263,7 @@ def test_a_batch_over_the_limit_is_refused_with_413(server: tuple[Any, Path]) ->
 
 
 def test_an_oversized_completion_is_refused_by_rule(server: tuple[Any, Path]) -> None:
-    url = discover(server[1])[0]
+    url = server_urls(server[1], "reward")[0]
     limit = httpx.get(f"{url}/health", timeout=5).json()["max_completion_bytes"]
     correct = "    return x * x\n"
     padded = correct + "# " + "x" * limit + "\n"
@@ -314,7 +315,7 @@ def test_killed_server_takes_its_sandboxes_along_then_clients_see_infra_errors(
 ) -> None:
     proc, rendezvous = server
     marker = f"moerl-served-{uuid.uuid4().hex}"
-    url = discover(rendezvous)[0]
+    url = server_urls(rendezvous, "reward")[0]
     program = (
         "import subprocess, time\n"
         "nap = ['/usr/bin/python3', '-c', 'import time; time.sleep(999)']\n"
@@ -357,7 +358,7 @@ def test_sigterm_answers_queued_items_and_exits_clean(tmp_path: Path) -> None:
     rendezvous = tmp_path / "rendezvous"
     proc = start_server(rendezvous, "--max-concurrency", "1", "--grace-s", "20")
     try:
-        url = discover(rendezvous)[0]
+        url = server_urls(rendezvous, "reward")[0]
         # A HumanEval item first: the server then keeps a warm slot launched (its own work
         # dir and cgroup, a grader waiting on stdin), which the shutdown must remove too.
         he = {"id": "he", "reward": "humaneval", "completion": "    return x * x\n", "spec": HE}

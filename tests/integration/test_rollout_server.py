@@ -23,8 +23,8 @@ import pytest
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from moerl.rendezvous import read_endpoints
-from moerl.rollout.client import RolloutClient, discover
+from moerl.rendezvous import read_endpoints, server_urls
+from moerl.rollout.client import RolloutClient
 from moerl.rollout.types import SamplingParams
 
 SEED = 77
@@ -81,7 +81,7 @@ def servers(
         for i in range(2)
     ]
     deadline = time.monotonic() + 120
-    while len(discover(rendezvous)) < 2:
+    while len(server_urls(rendezvous, "rollout")) < 2:
         for proc in procs:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-3000:]}")  # type: ignore[union-attr]

@@ -27,7 +27,7 @@ from local_servers import reward_command, rollout_command, started
 
 from moerl.launchers.local import free_port
 from moerl.rewards.client import RewardClient, RewardClientConfig, ScoreItem
-from moerl.rollout.client import ClientConfig, RolloutClient, RolloutUnavailable
+from moerl.rollout.client import RolloutClient, RolloutClientConfig, RolloutUnavailable
 from moerl.rollout.types import SamplingParams
 
 SEED = 5
@@ -49,7 +49,8 @@ def test_rollout_call_survives_a_killed_server_and_a_restart_is_found(tmp_path: 
     ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     sampling = SamplingParams(max_tokens=24, temperature=1.0, seed=SEED, ignore_eos=True)
-    config = ClientConfig(max_attempts=6, backoff_s=0.1, backoff_cap_s=0.5, timeout_s=120)
+    config = RolloutClientConfig(max_attempts=6, backoff_base_s=0.1, backoff_cap_s=0.5,
+                                 timeout_s=120)
     with (started(rollout_command(tmp_path / "a", 3, ports[0]), tmp_path / "a", "rollout") as a,
           started(rollout_command(tmp_path / "b", 3, ports[1]), tmp_path / "b", "rollout") as b):
         client = RolloutClient(urls, config=config)

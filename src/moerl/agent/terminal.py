@@ -8,7 +8,8 @@ again to the sandbox's maxima). Output is cut to `max_output_chars` with a marke
 Snapshots are a tar of the work dir made *inside* the sandbox, and restores untar inside
 it too: the host never follows a link or parses an archive the model could have shaped.
 
-The verifier runs the task's `check` inside the sandbox under a harness that reports
+The verifier runs the task's `check` inside the sandbox under the harness shared with
+the code rewards (`rewards/pyharness.py check`), which reports
 through the result channel, a pipe the program's exit code and stdout cannot reach. The
 check's source and a nonce reach the harness on stdin (no file inside holds them), the
 verdict must carry the nonce, and agent code started by the check (`run([...])`) gets
@@ -26,65 +27,15 @@ import os
 import secrets
 import tarfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from moerl.agent.environment import AgentTask, Observation, VerifyResult
 from moerl.agent.tools import ToolCall, ToolSpec
+from moerl.rewards.code import HARNESS, HARNESS_INSIDE
 from moerl.sandbox import ExecutionResult, ExecutionStatus, Limits, Sandbox, Workspace
-
-_HARNESS = """\
-import ctypes, json, os, subprocess, sys
-ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE=0: children cannot open our /proc
-_fd = int(os.environ.pop("MOERL_CHANNEL_FD"))
-os.set_inheritable(_fd, False)
-_nonce = sys.stdin.readline().strip()
-_source = sys.stdin.read()
-
-
-def run(argv, timeout=10.0, stdin=""):
-    \"\"\"Run agent-written code in a child: (exit code, stdout+stderr); the code is None
-    on a timeout or when the program cannot be started (e.g. it was never built).\"\"\"
-    try:
-        p = subprocess.run(argv, input=stdin, capture_output=True, text=True, errors="replace",
-                           timeout=timeout, close_fds=True, cwd="/work")
-    except subprocess.TimeoutExpired:
-        return None, "timeout"
-    except OSError as exc:
-        return None, f"cannot start: {exc}"
-    return p.returncode, p.stdout + p.stderr
-
-
-def read(path, limit=1 << 20):
-    \"\"\"Text of a regular file in /work (symlinks refused), or None.\"\"\"
-    try:
-        fd = os.open(os.path.join("/work", path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as fh:
-        import stat
-        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-            return None
-        return fh.read(limit).decode("utf-8", "replace")
-
-
-verdict = {"nonce": _nonce}
-try:
-    scope = {"run": run, "read": read, "__name__": "moerl_check"}
-    exec(compile(_source, "check.py", "exec"), scope)
-    value = scope["check"]()
-    if type(value) is bool:
-        verdict["score"] = 1.0 if value else 0.0
-    elif type(value) in (int, float) and 0 <= value <= 1:
-        verdict["score"] = float(value)
-    else:
-        raise TypeError(f"check() returned {type(value).__name__}, not bool or [0, 1]")
-except BaseException as exc:
-    verdict["score"] = 0.0
-    verdict["error"] = repr(exc)[:500]
-os.write(_fd, json.dumps(verdict).encode())
-"""
 
 TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec("run", "Run a bash command in the task's work dir (/work).",
@@ -209,8 +160,9 @@ class TerminalEnvironment:
             return VerifyResult(None, infra_error="verify() before reset()")
         nonce = secrets.token_hex(16)
         result = self._exec(
-            [self.sandbox.config.python_path, "-I", "-c", _HARNESS], self.config.verify_limits,
-            stdin=f"{nonce}\n{self._task.check}".encode(), channel=True,
+            [self.sandbox.config.python_path, "-I", "-S", HARNESS_INSIDE, "check"],
+            self.config.verify_limits, stdin=f"{nonce}\n{self._task.check}".encode(),
+            channel=True, extra_ro_binds=[(HARNESS, HARNESS_INSIDE)],
         )  # fmt: skip
         return _verdict(result, nonce)
 
@@ -289,6 +241,7 @@ class TerminalEnvironment:
         *,
         stdin: bytes = b"",
         channel: bool = False,
+        extra_ro_binds: Sequence[tuple[Path, str]] = (),
     ) -> ExecutionResult:
         with self._lock:
             workspace = self._workspace
@@ -305,6 +258,7 @@ class TerminalEnvironment:
             stdin=stdin,
             limits=limits or self.config.command_limits,
             channel=channel,
+            extra_ro_binds=extra_ro_binds,
         )
 
     def _render(self, result: ExecutionResult) -> Observation:

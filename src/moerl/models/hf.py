@@ -14,7 +14,8 @@ own, and rank 0 writes `model.safetensors.index.json` (which file holds which te
 and `config.json` from the names alone. So a rank holds at most its share of the
 model's tensors, and the files are written in parallel.
 
-`gather_megatron` (the whole model on rank 0) is what the tests compare against.
+`gather_megatron` (the whole model on rank 0), `hf_tensors` and `write_safetensors`
+serve a model one process holds whole (tests, benchmarks' initial weights).
 
 The project's own adapter rather than megatron-bridge: megatron-bridge 0.6.2 does
 not import without Transformer Engine, which does not install on CPU machines.
@@ -32,13 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from safetensors.torch import save_file
 
 from moerl.models.arch import MoEArch
 from moerl.models.hf_files import HFError
 from moerl.models.hf_mapping import (
     Rule,
     hf_config_from_arch,
+    megatron_to_hf,
     mtp_copies,
     rules,
     to_hf,
@@ -50,7 +51,7 @@ _DECODER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
 __all__ = ["HF_CONFIG_COPY", "HFError", "cast_hf", "export_hf", "gather_megatron", "hf_config",
-           "is_glu", "local_tensors", "shard", "tp_split"]
+           "hf_tensors", "is_glu", "local_tensors", "shard", "tp_split", "write_safetensors"]
 
 
 def _unwrap(chunk: torch.nn.Module) -> Any:
@@ -60,10 +61,14 @@ def _unwrap(chunk: torch.nn.Module) -> Any:
     return inner
 
 
-def local_tensors(chunk: torch.nn.Module, arch: MoEArch) -> Iterator[tuple[str, torch.Tensor]]:
-    """(global Megatron name, local tensor) for each weight of a chunk, same order on all ranks."""
+def local_tensors(chunk: torch.nn.Module, arch: MoEArch | None = None
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(global Megatron name, local tensor) for each weight of a chunk, same order on all
+    ranks. Without `arch`, the expert count and the embedding tying are the model's."""
     model = _unwrap(chunk)
-    per_rank = arch.num_experts // ps.get_expert_model_parallel_world_size()
+    experts = arch.num_experts if arch else model.config.num_moe_experts or 0
+    untied = arch.untie_embeddings if arch else not model.share_embeddings_and_output_weights
+    per_rank = experts // ps.get_expert_model_parallel_world_size()
     first_expert = ps.get_expert_model_parallel_rank() * per_rank
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name.endswith("_extra_state"):
@@ -76,7 +81,7 @@ def local_tensors(chunk: torch.nn.Module, arch: MoEArch) -> Iterator[tuple[str, 
         if match:
             name = (name[: match.start()] + f".experts.local_experts."
                     f"{first_expert + int(match[1])}." + name[match.end():])
-        if name == "output_layer.weight" and not arch.untie_embeddings:
+        if name == "output_layer.weight" and not untied:
             name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied one
         yield name, tensor
 
@@ -208,6 +213,8 @@ def _write_parts(tensors: Iterator[tuple[str, torch.Tensor]], out: Path, stem: s
                  ) -> dict[str, tuple[str, int]]:
     """`tensors` into files `<stem>-NNN.safetensors` of about `_FILE_BYTES` each;
     {tensor name: (file, bytes)}."""
+    from safetensors.torch import save_file  # the hf extra; the shard helpers need none
+
     written: dict[str, tuple[str, int]] = {}
     part: dict[str, torch.Tensor] = {}
 
@@ -269,3 +276,22 @@ def _write_index(written: list[dict[str, tuple[str, int]]], out: Path) -> None:
     total = sum(size for part in written for _, size in part.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX).write_text(json.dumps(index, indent=2))
+
+
+def hf_tensors(meg: dict[str, torch.Tensor], arch: MoEArch,
+               base_config: dict[str, Any] | None = None, dtype: torch.dtype | None = None,
+               ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Whole Megatron tensors (`gather_megatron`, one process) in Hugging Face names and
+    `dtype` (the router bias stays float32), and the config.json they go with."""
+    config = hf_config(arch, base_config)
+    tensors = megatron_to_hf(meg, arch, bool(config.get("rope_interleave", True)))
+    tensors = {k: cast_hf(k, v, dtype) for k, v in tensors.items()}
+    config["dtype"] = str(dtype or next(iter(meg.values())).dtype).removeprefix("torch.")
+    return tensors, config
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: Path) -> None:
+    """Whole tensors of one process (`hf_tensors`) into files of about `_FILE_BYTES`,
+    with the index transformers reads for many files."""
+    written = _write_parts(iter(sorted(tensors.items())), out_dir, "model")
+    _write_index([written], out_dir)

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 ALL = slice(None)
 
@@ -34,6 +33,8 @@ class HFCheckpoint:
         files = sorted(self.dir.glob("*.safetensors"))
         if not files:
             raise HFError(f"{self.dir}: no *.safetensors files")
+        from safetensors import safe_open  # the hf extra: models.hf's shard helpers need none
+
         self._files = [safe_open(str(f), framework="pt") for f in files]
         self._where = {k: f for f in self._files for k in f.keys()}  # noqa: SIM118
         self.bytes_read = 0  # of tensors (and scales) returned so far

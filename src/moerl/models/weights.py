@@ -6,7 +6,9 @@ so `load_weights` can read them back under any other TP/PP/VPP/EP layout
 (resharding). The write is atomic: it goes to a temporary sibling directory
 that is renamed into place only after every rank has finished, so a reader
 never sees half a checkpoint. Used by weight sync (trainer -> rollout servers),
-by checkpoints and by the parity tests.
+by checkpoints and by the parity tests. A weight push from a trainer whose every rank
+holds the whole model writes one file instead (`models.whole_weights`), which
+`load_weights` reads as well.
 
 Both directions are fully parallel (`parallel_save_strategy`,
 `parallel_load_strategy`): a tensor only one rank holds is written and read by that
@@ -122,13 +124,19 @@ def save_weights(chunks: list[torch.nn.Module], directory: str | Path) -> Path:
 
 
 def load_weights(chunks: list[torch.nn.Module], directory: str | Path) -> None:
-    """Load weights written by `save_weights` under any layout into `chunks`."""
+    """Load weights written by `save_weights`, or by `whole_weights.save_whole`, under
+    any layout into `chunks`."""
     path = Path(directory)
     if not is_complete(path):
         raise FileNotFoundError(
             f"{path} is not a complete weights checkpoint (missing {_MARKER}); it was "
             "never written or its write did not finish"
         )
+    from moerl.models.whole_weights import is_whole, load_whole
+
+    if is_whole(path):
+        load_whole(chunks, path)
+        return
     template = sharded_model_state(chunks)
     try:
         state = dist_checkpointing.load(template, str(path),

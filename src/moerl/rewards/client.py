@@ -25,7 +25,8 @@ from typing import Any
 
 import httpx
 
-from moerl.rendezvous import read_endpoints
+from moerl.rendezvous import server_urls
+from moerl.retry import backoff_s
 from moerl.rewards.config import RewardClientConfig
 from moerl.rewards.protocol import REPAIRED, RewardRequest, RewardResult
 
@@ -42,17 +43,6 @@ class ScoreReport:
     results: list[RewardResult]
     """One per input item, in order."""
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def backoff_s(attempt: int, base: float, cap: float, rng: random.Random) -> float:
-    """Full jitter in [cap/2, cap] of min(cap, base * 2**attempt): spread, never zero."""
-    ceiling = min(cap, base * 2**attempt)
-    return ceiling * (0.5 + 0.5 * rng.random())
-
-
-def discover(rendezvous_dir: Path) -> tuple[str, ...]:
-    """Reward servers that announced themselves in the rendezvous directory."""
-    return tuple(f"http://{hp}" for hp in read_endpoints(rendezvous_dir, "reward"))
 
 
 class _Unsent(Exception):
@@ -81,7 +71,7 @@ class RewardClient:
         if self.urls:
             return self.urls
         assert self.rendezvous_dir is not None
-        return discover(self.rendezvous_dir)
+        return tuple(server_urls(self.rendezvous_dir, "reward"))
 
     def score(self, items: Sequence[ScoreItem], step: int) -> ScoreReport:
         """Score `items`; identical items within one step are scored once."""

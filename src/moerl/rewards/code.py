@@ -23,7 +23,7 @@ from moerl.sandbox.config import clamp_request
 from moerl.sandbox.languages import language, prepare
 
 HARNESS = Path(__file__).with_name("pyharness.py")
-_HARNESS_INSIDE = "/opt/moerl/pyharness.py"
+HARNESS_INSIDE = "/opt/moerl/pyharness.py"
 
 
 def _require(spec: Mapping[str, Any], key: str, kind: type) -> Any:
@@ -99,9 +99,9 @@ class HumanEvalReward:
         # The grader forks its candidate and then reads nothing but its stdin, so a
         # warm slot may have started it before this item existed.
         run = self.sandbox.run_fresh(
-            [self.sandbox.config.python_path, "-I", "-S", _HARNESS_INSIDE],
+            [self.sandbox.config.python_path, "-I", "-S", HARNESS_INSIDE],
             stdin=marshal.dumps(config), limits=_limits(self.sandbox, spec),
-            channel=True, extra_ro_binds=[(HARNESS, _HARNESS_INSIDE)], starts_on_stdin=True,
+            channel=True, extra_ro_binds=[(HARNESS, HARNESS_INSIDE)], starts_on_stdin=True,
         )  # fmt: skip
         if run.is_infra_error:
             return _infra(run)

@@ -1,5 +1,6 @@
 """Runs inside the sandbox (system Python 3.11, standard library only): HumanEval-style
-tests with the grader and the candidate in separate processes.
+tests with the grader and the candidate in separate processes, and (`pyharness.py check`)
+the checks of the agent's terminal tasks (`check_main`).
 
     grader process (this file, no argument)     candidate process (this file, `candidate`)
       holds the tests and the nonce               runs prompt + completion
@@ -40,6 +41,11 @@ if TYPE_CHECKING:
     from typing import Any
 
 _CANDIDATE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8"}
+
+# sandbox/bwrap.py's CHANNEL_ENV_NAME (this file imports nothing of moerl; a test checks
+# the two agree).
+CHANNEL_ENV_NAME = "MOERL_CHANNEL_FD"
+_PR_SET_DUMPABLE = 4
 
 _HEADER = struct.Struct(">I")
 _MAX_DEPTH = 200
@@ -212,14 +218,26 @@ class Candidate:
         raise RuntimeError(f"{reply[1]}: {reply[2]}")
 
 
-def grader_main() -> None:
+def take_channel() -> int:
+    """The result channel's fd, taken out of the environment and kept from exec'd
+    children: only this process can write a verdict."""
+    channel = int(os.environ.pop(CHANNEL_ENV_NAME))
+    os.set_inheritable(channel, False)
+    return channel
+
+
+def forbid_dumping() -> None:
+    """Children of the same uid can no longer open this process's /proc files (its
+    memory, fds and environ)."""
     import ctypes
 
-    channel = int(os.environ.pop("MOERL_CHANNEL_FD"))
-    os.set_inheritable(channel, False)  # belt and braces: no exec'd child gets the channel
+    ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
+def grader_main() -> None:
+    channel = take_channel()
     candidate = Candidate(channel)  # before stdin is read: see the module's docstring
-    # PR_SET_DUMPABLE = 4: the candidate (same uid) can no longer open our /proc files.
-    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+    forbid_dumping()
     config = marshal.loads(sys.stdin.buffer.read())
     nonce = config["nonce"]
 
@@ -258,8 +276,68 @@ def grader_main() -> None:
     emit({"kind": "done"})
 
 
+def _run(argv: list[str], timeout: float = 10.0, stdin: str = "") -> tuple[int | None, str]:
+    """A terminal check's `run`: agent-written code in a child, (exit code, stdout+stderr);
+    the code is None on a timeout or when the program cannot be started (never built)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(argv, input=stdin, capture_output=True, text=True,
+                              errors="replace", timeout=timeout, close_fds=True, cwd="/work")
+    except subprocess.TimeoutExpired:
+        return None, "timeout"
+    except OSError as exc:
+        return None, f"cannot start: {exc}"
+    return done.returncode, done.stdout + done.stderr
+
+
+def _read(path: str, limit: int = 1 << 20) -> str | None:
+    """A terminal check's `read`: the text of a regular file in /work (symlinks and
+    devices refused), or None."""
+    import stat
+
+    try:
+        fd = os.open(os.path.join("/work", path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+            return None
+        return fh.read(limit).decode("utf-8", "replace")
+
+
+def check_main() -> None:
+    """A terminal task's `check()` run against the episode's /work. stdin: the nonce on
+    its first line, then the check's source; the verdict (JSON with the nonce and a
+    score in [0, 1], or an error) goes to the channel, which agent code started by the
+    check (`run`) never gets, nor stdin."""
+    import json
+
+    forbid_dumping()
+    channel = take_channel()
+    nonce = sys.stdin.readline().strip()
+    source = sys.stdin.read()
+    verdict: dict[str, Any] = {"nonce": nonce}
+    try:
+        scope: dict[str, Any] = {"run": _run, "read": _read, "__name__": "moerl_check"}
+        exec(compile(source, "check.py", "exec"), scope)
+        value = scope["check"]()
+        if type(value) is bool:
+            verdict["score"] = 1.0 if value else 0.0
+        elif type(value) in (int, float) and 0 <= value <= 1:
+            verdict["score"] = float(value)
+        else:
+            raise TypeError(f"check() returned {type(value).__name__}, not bool or [0, 1]")
+    except BaseException as exc:
+        verdict["score"] = 0.0
+        verdict["error"] = repr(exc)[:500]
+    os.write(channel, json.dumps(verdict).encode())
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["candidate"]:
         candidate_main(int(sys.argv[2]), int(sys.argv[3]))
+    elif sys.argv[1:2] == ["check"]:
+        check_main()
     else:
         grader_main()

@@ -14,6 +14,7 @@ equal are dropped and more rounds run, up to `rl.max_generation_rounds`.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import statistics
 from collections.abc import Mapping, Sequence
@@ -170,11 +171,20 @@ class AgentCollector:
         return Batch(samples, {**episode_metrics(seen), **timer.as_metrics()})
 
 
+def split_terminal_tasks(tasks: Sequence[SuiteTask]) -> tuple[list[SuiteTask], list[SuiteTask]]:
+    """The selected tasks as (train, held out): a quarter of them (rounded down), chosen by
+    a hash of each task's id so the split does not depend on any seed, are held out and
+    never trained on. A selection of fewer than four tasks holds out none."""
+    ranked = sorted(tasks, key=lambda t: hashlib.sha256(t.id.encode()).hexdigest())
+    held_out = {t.id for t in ranked[: len(ranked) // 4]}
+    return ([t for t in tasks if t.id not in held_out], [t for t in tasks if t.id in held_out])
+
+
 def terminal_source(config: AgentTasksConfig) -> Generator:
     """The `terminal` domain's records: the tasks `rl.agent` selects, in a seeded order
     (at most `count`). A record names its task (`spec["task"]`); its episodes are graded
     by the task's own check, not by a reward server (`reward` "episode"). The held-out
-    split is drawn from the same tasks: the suite has no separate held-out tasks."""
+    split draws from tasks the training split never has (`split_terminal_tasks`)."""
 
     def generate(count: int, seed: int, split: str, options: Mapping[str, Any]
                  ) -> list[PromptRecord]:
@@ -182,7 +192,9 @@ def terminal_source(config: AgentTasksConfig) -> Generator:
             raise ValueError(f"options.{sorted(options)[0]}: the terminal domain takes no "
                              "options; select its tasks with rl.agent.tasks / categories / "
                              "task_dirs")
-        tasks = select_tasks(config.tasks, config.categories, config.task_dirs)
+        train, held_out = split_terminal_tasks(
+            select_tasks(config.tasks, config.categories, config.task_dirs))
+        tasks = held_out if split == "eval" else train
         random.Random(seed).shuffle(tasks)
         return [PromptRecord(uid=f"{split}-{t.id}", prompt=t.task.instruction, reward=EPISODE,
                              spec={"task": t.id}) for t in tasks[:count]]

@@ -19,6 +19,7 @@ Megatron's gradient all-reduce over DP x CP adds the CP ranks' parts.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,6 +29,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from moerl.data.rl_batch import RLMicroBatch
+from moerl.models.weights import unwrap_model
 from moerl.parallel.context import gather_from_cp, split_for_cp_rank
 from moerl.rl.logprobs import vocab_parallel_logprobs
 from moerl.rl.routing import ExpertLoad, RoutingReplay
@@ -99,6 +101,24 @@ def token_logprobs(
     return gather_from_cp(lp, cp_group), gather_from_cp(ent, cp_group)
 
 
+@contextmanager
+def without_mtp(model: torch.nn.Module) -> Iterator[None]:
+    """The model's forward without its multi-token-prediction layers, for a pass that
+    uses only the main head's logits (the MTP loss is then scaled by 0: its layers would
+    cost a decoder layer and an output projection per token, and add exact zeros to every
+    gradient). Set around the model call only: the gradient finalisation after the
+    backward still sees the MTP layers (its embedding-copy all-reduce across pipeline
+    stages). Their routers count no tokens, so their expert biases stay as they are."""
+    inner = unwrap_model(model)
+    config = inner.config
+    saved = (getattr(inner, "mtp_process", False), config.mtp_num_layers)
+    inner.mtp_process, config.mtp_num_layers = False, None
+    try:
+        yield
+    finally:
+        inner.mtp_process, config.mtp_num_layers = saved
+
+
 def run_schedule(
     chunks: Sequence[torch.nn.Module],
     micro: Sequence[RLMicroBatch],
@@ -108,10 +128,12 @@ def run_schedule(
     device: torch.device,
     hooks: ForwardHooks | None = None,
     cp_group: dist.ProcessGroup | None = None,
+    mtp: bool = True,
 ) -> list[dict[str, Any]]:
     """Run the schedule; the reports of the micro-batches, in order, on the last stage.
 
     `on_logits` gets the whole micro-batch and this CP rank's logits (see `cp_share`).
+    `mtp=False`: the model's MTP layers do not run (`without_mtp`).
     """
     hooks = hooks or ForwardHooks()
     b, t = micro[0].shape
@@ -128,7 +150,8 @@ def run_schedule(
         local = cp_share(mb, cp_group)
         hooks.before(local, model)
         # Every stage gets the whole micro-batch; only the first reads the tokens.
-        output = model(local.tokens.to(device), local.position_ids.to(device), None)
+        with nullcontext() if mtp else without_mtp(model):
+            output = model(local.tokens.to(device), local.position_ids.to(device), None)
 
         def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
             return on_logits(k, mb, logits)  # logits (B, T, V/tp) on the last stage
@@ -178,7 +201,7 @@ def forward_logprobs(
     try:
         with torch.no_grad():
             reports = run_schedule(chunks, micro, on_logits, forward_only=True, device=device,
-                                   hooks=hooks, cp_group=cp_group)
+                                   hooks=hooks, cp_group=cp_group, mtp=False)
     finally:
         for c, mode in zip(chunks, was_training, strict=True):
             c.train(mode)

@@ -186,7 +186,7 @@ def train(cfg: RLConfig, policy: Policy, sync: WeightSync, ctl: Controller | Non
     for step in range(start_step, cfg.steps):
         if ctl is not None and ctl.held_out and (step == 0 or (cfg.eval_interval and
                                                                step % cfg.eval_interval == 0)):
-            scores = evaluate(ctl.generation(), cfg, ctl.held_out, step)
+            scores = _timed_evaluate(ctl, cfg, step)
             ctl.logger.log(step, scores)
             print(f"eval at step {step}: pass rate {scores.get('eval/pass_rate', 0):.3f}",
                   flush=True)
@@ -215,8 +215,16 @@ def train(cfg: RLConfig, policy: Policy, sync: WeightSync, ctl: Controller | Non
     if producer:
         producer.stop()
     if ctl is not None and ctl.held_out:  # agent tasks have no held-out prompts
-        ctl.logger.log(cfg.steps, evaluate(ctl.generation(), cfg, ctl.held_out, cfg.steps))
+        ctl.logger.log(cfg.steps, _timed_evaluate(ctl, cfg, cfg.steps))
     return False
+
+
+def _timed_evaluate(ctl: Controller, cfg: RLConfig, step: int) -> dict[str, float]:
+    """The held-out scores and `time/eval`, the evaluation's seconds (a step's
+    `time/step` does not include them)."""
+    started = time.perf_counter()
+    scores = evaluate(ctl.generation(), cfg, ctl.held_out, step)
+    return {**scores, "time/eval": time.perf_counter() - started}
 
 
 def _step_end(step: int, ctl: Controller | None, producer: _Producer | None) -> StepEnd:

@@ -43,6 +43,7 @@ from moerl.models.build import build_model
 from moerl.models.features import resolve_precision
 from moerl.models.precision import RecomputeConfig, ResolvedPrecision
 from moerl.models.weights import load_weights, save_weights
+from moerl.models.whole_weights import holds_whole, save_whole
 from moerl.parallel.groups import ParallelGroups
 from moerl.parallel.layout import ParallelLayout
 from moerl.rl.config import RLConfig
@@ -264,12 +265,22 @@ class Policy:
 
         hooks = ForwardHooks(replay=self.replay, load=self.load)
         with _aux_losses(self.trainable.model[0].config, self.cfg.aux_losses):
+            # Without the MTP loss (rl.aux_losses=false) its layers would only add zeros.
             return run_schedule(self.chunks, p.micro, on_logits, forward_only=False,
-                                device=device, hooks=hooks, cp_group=self.cp_group)
+                                device=device, hooks=hooks, cp_group=self.cp_group,
+                                mtp=self.cfg.aux_losses)
 
     def publish(self, directory: str | Path) -> Path:
-        """Write the current weights (all ranks together) for the rollout servers."""
-        return save_weights(self.chunks, directory)
+        """Write the current weights for the rollout servers (every rank calls it): one
+        file from global rank 0 when every rank holds the whole model, else every rank
+        its shards (`models.weights`); `load_weights` reads either under any layout."""
+        if not holds_whole(self.groups.layout):
+            return save_weights(self.chunks, directory)
+        if self.groups.rank == 0:
+            save_whole(self.chunks, directory)
+        if dist.is_initialized():
+            dist.barrier()  # the file is complete before any rank returns its path
+        return Path(directory)
 
 
 @contextmanager

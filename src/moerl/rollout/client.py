@@ -30,9 +30,10 @@ from pathlib import Path
 
 import httpx
 
-from moerl.rendezvous import read_endpoints
+from moerl.rendezvous import server_urls
+from moerl.retry import backoff_s
 from moerl.rollout.backends import check_engine, weight_update_calls
-from moerl.rollout.config import ClientConfig
+from moerl.rollout.config import RolloutClientConfig
 from moerl.rollout.types import RequestError, Sample, SamplingParams
 from moerl.rollout.wire import (
     EngineAborted,
@@ -56,21 +57,17 @@ class _Retryable(Exception):
         self.retry_after = retry_after
 
 
-def discover(rendezvous_dir: str | Path) -> list[str]:
-    """Rollout server URLs announced in a rendezvous directory."""
-    return [f"http://{address}" for address in read_endpoints(rendezvous_dir, "rollout")]
-
-
 class RolloutClient:
     def __init__(self, urls: Sequence[str] = (), *, rendezvous_dir: str | Path | None = None,
-                 config: ClientConfig | None = None,
+                 config: RolloutClientConfig | None = None,
                  transport: httpx.BaseTransport | None = None, engine: str = "moerl") -> None:
-        self.config = config or ClientConfig()
+        self.config = config or RolloutClientConfig()
+        self._rng = random.Random()
         self.engine = check_engine(engine)  # which server kind: its wire format and updates
         # The version last loaded by every live server: reported for engines whose
         # replies name none (vLLM). -1 until the first `update_weights`.
         self.weight_version = -1
-        found = list(urls) + (discover(rendezvous_dir) if rendezvous_dir else [])
+        found = list(urls) + (server_urls(rendezvous_dir, "rollout") if rendezvous_dir else [])
         self.urls = list(dict.fromkeys(u.rstrip("/") for u in found))
         if not self.urls:
             raise ValueError("rollout: no server URLs given and none found in the rendezvous dir")
@@ -158,8 +155,9 @@ class RolloutClient:
             except _Retryable as exc:
                 last = exc
                 self._mark(url, dead=exc.dead, why=str(exc))
-                pause = min(self.config.backoff_cap_s, self.config.backoff_s * 2**attempt)
-                time.sleep(max(exc.retry_after, pause * random.uniform(0.5, 1.0)))
+                pause = backoff_s(attempt, self.config.backoff_base_s,
+                                  self.config.backoff_cap_s, self._rng)
+                time.sleep(max(exc.retry_after, pause))
             finally:
                 with self._lock:
                     self._in_flight[url] -= 1

@@ -12,13 +12,13 @@ from typing import Literal
 
 
 @dataclass(frozen=True)
-class ClientConfig:
+class RolloutClientConfig:
     """`rollout.client`: how the trainer calls the rollout servers (rollout/client.py)."""
 
     timeout_s: float = 600.0  # one group's generation, end to end
     connect_timeout_s: float = 5.0
     max_attempts: int = 4
-    backoff_s: float = 0.5  # first retry waits up to this; doubles each time
+    backoff_base_s: float = 0.5  # first retry waits up to this; doubles each time
     backoff_cap_s: float = 8.0
     max_in_flight: int = 64  # concurrent calls over all servers
     prompts_per_call: int = 32  # at most; prompts are also spread evenly over live servers
@@ -53,7 +53,7 @@ class RolloutStageConfig:
     max_model_len: int | None = None
     served_model_name: str | None = None
     gpu_memory_utilization: float = 0.85
-    client: ClientConfig = field(default_factory=ClientConfig)
+    client: RolloutClientConfig = field(default_factory=RolloutClientConfig)
 
 
 def server_ranks(cfg: RolloutStageConfig) -> int:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pytest
 
+from moerl.agent.suite import select_tasks
 from moerl.config import load_run_config
 from moerl.data.code_tasks import HELD_OUT_NAMES, OPERATOR_WORDS, TRAIN_NAMES, make_tasks
 from moerl.data.domains.registry import domain_records
 from moerl.data.prompts import DataConfig, PromptRecord, load_prompts
 from moerl.data.sft import instruction_examples
 from moerl.data.tokenizer import build_tokenizer
+from moerl.rl.agent_collect import terminal_source
 
 
 def _signature(prompt: str) -> str:
@@ -99,3 +101,23 @@ def test_every_generated_domains_held_out_prompts_are_unseen(domain: str) -> Non
     assert got.held_out and not any(r.prompt in train for r in got.held_out)
     left_out = got.report.dropped.get("held-out prompt also a training prompt", 0)
     assert len(got.held_out) + left_out <= 64
+
+
+@pytest.mark.parametrize("categories", [[], ["git", "logs"], ["c"]])
+def test_the_terminal_domain_holds_out_tasks_it_never_trains_on(categories: list[str]) -> None:
+    """The agent suite has no separate held-out tasks: a quarter of the selected ones are
+    held out, the same whatever the seeds, and none of them is a training task."""
+    cfg = load_run_config(["+experiment=multidomain", "data.domains.terminal.eval_size=100",
+                           f"rl.agent.categories={categories}"], world_size=1)
+    source = terminal_source(cfg.rl.agent)
+    selected = select_tasks(categories=categories)
+    splits = [domain_records("terminal", cfg.data.domains["terminal"], seed, 0,
+                             strict=True, sources={"terminal": source}) for seed in (0, 7)]
+    for got in splits:
+        train = {r.spec["task"] for r in got.train}
+        held_out = {r.spec["task"] for r in got.held_out}
+        assert len(held_out) == len(selected) // 4 and not train & held_out
+        assert train | held_out == {t.id for t in selected}
+        assert "held-out prompt also a training prompt" not in got.report.dropped
+    assert {r.spec["task"] for r in splits[0].held_out} == {
+        r.spec["task"] for r in splits[1].held_out}

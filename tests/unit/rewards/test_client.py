@@ -12,7 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from moerl.rewards.client import RewardClient, RewardClientConfig, ScoreItem, backoff_s
+from moerl.retry import backoff_s
+from moerl.rewards.client import RewardClient, RewardClientConfig, ScoreItem
 
 Behaviour = Callable[[int, dict], tuple[int, dict] | None]
 

@@ -288,3 +288,12 @@ def test_a_correct_answer_at_the_size_limit_scores_within_the_default_limits(
     padded = "    return a + b\n# " + "x" * (DEFAULT_MAX_COMPLETION_BYTES - 64) + "\n"
     result = humaneval.score(padded, SPEC)
     assert result.reward == 1.0 and result.status == "ok", result
+
+
+def test_the_harness_reads_the_channel_the_sandbox_opens() -> None:
+    """pyharness.py runs inside the sandbox without moerl, so it names the channel's
+    variable itself: for the code rewards and the terminal checks alike."""
+    from moerl.rewards import pyharness
+    from moerl.sandbox.bwrap import CHANNEL_ENV_NAME
+
+    assert pyharness.CHANNEL_ENV_NAME == CHANNEL_ENV_NAME

@@ -225,3 +225,35 @@ def test_first_minibatch_takes_pi_old_from_its_own_forward(groups: ParallelGroup
     for p, q in zip(reused.chunks[0].parameters(), recomputed.chunks[0].parameters(),
                     strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
+
+
+
+def test_update_without_mtp_loss_skips_the_mtp_layers(groups: ParallelGroups,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """rl.aux_losses=false scales the MTP loss by 0, so the update leaves the MTP layers
+    out: they do not run, and the weights after two optimizer steps are those of an
+    update that runs them."""
+    import moerl.rl.policy as policy_module
+
+    arch = dataclasses.replace(TINY, mtp_num_layers=1)
+    samples = make_samples(6, arch.vocab_size, seed=2)
+    skipped, run = build(groups, arch), build(groups, arch)
+    real, forced = policy_module.run_schedule, {"mtp": False}
+
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        return real(*args, **{**kwargs, "mtp": kwargs["mtp"] or forced["mtp"]})
+
+    monkeypatch.setattr(policy_module, "run_schedule", schedule)
+    calls = {"skipped": 0, "run": 0}
+    for name, policy in (("skipped", skipped), ("run", run)):
+        forced["mtp"] = name == "run"
+
+        def count(*_: Any, name: str = name) -> None:
+            calls[name] += 1
+
+        handle = _unwrapped(policy).mtp.register_forward_hook(count)
+        policy.update(samples, num_minibatches=2)
+        handle.remove()
+    assert calls["skipped"] == 0 and calls["run"] >= 2  # at least one per minibatch
+    for p, q in zip(skipped.chunks[0].parameters(), run.chunks[0].parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)

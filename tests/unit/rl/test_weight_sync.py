@@ -26,7 +26,7 @@ from moerl.rl.weight_sync import (
     build_weight_sync,
     export_dtype,
 )
-from moerl.rollout.client import ClientConfig, RolloutClient
+from moerl.rollout.client import RolloutClient, RolloutClientConfig
 
 pytest.importorskip("transformers")
 TESTS = Path(__file__).parents[2]
@@ -99,7 +99,7 @@ def test_export_then_update_call_then_versioned_samples(
     hf_dir, policy = served
     seen: list[dict[str, Any]] = []
     server = FAKES.FakeEngine(_engine(seen, engine))
-    client = RolloutClient([server.url], engine=engine, config=ClientConfig(timeout_s=10.0))
+    client = RolloutClient([server.url], engine=engine, config=RolloutClientConfig(timeout_s=10.0))
     try:
         sync = build_weight_sync(engine, tmp_path / "weights", client, keep=1,
                                  hf_model_dir=str(hf_dir), dtype="auto")

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from moerl.data.tokenizer import ByteTokenizer
-from moerl.rollout.client import ClientConfig, RolloutClient, RolloutUnavailable
+from moerl.rollout.client import RolloutClient, RolloutClientConfig, RolloutUnavailable
 from moerl.rollout.openai_api import CompletionBody, to_requests
 from moerl.rollout.types import RequestError, SamplingParams
 
@@ -40,7 +40,7 @@ def test_malformed_requests_name_the_problem(body: dict) -> None:
 
 
 def _client(handler: object, urls: list[str], attempts: int = 3) -> RolloutClient:
-    config = ClientConfig(max_attempts=attempts, backoff_s=0.01, backoff_cap_s=0.02,
+    config = RolloutClientConfig(max_attempts=attempts, backoff_base_s=0.01, backoff_cap_s=0.02,
                           prompts_per_call=1)
     return RolloutClient(urls, config=config,
                          transport=httpx.MockTransport(handler))  # type: ignore[arg-type]
@@ -61,7 +61,7 @@ def test_client_groups_and_seeds_do_not_depend_on_chunking() -> None:
     sampling = SamplingParams(seed=100)
     results = []
     for per_call in (1, 2, 8):
-        config = ClientConfig(prompts_per_call=per_call)
+        config = RolloutClientConfig(prompts_per_call=per_call)
         client = RolloutClient(["http://a", "http://b"], config=config,
                                transport=httpx.MockTransport(lambda r: _ok(r, 1)))
         groups = client.generate(prompts, n=3, sampling=sampling)

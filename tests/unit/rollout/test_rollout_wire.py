@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from fake_engines import FakeEngine, sglang_output, vllm_choice, vllm_completion
 
-from moerl.rollout.client import ClientConfig, RolloutClient
+from moerl.rollout.client import RolloutClient, RolloutClientConfig
 from moerl.rollout.types import SamplingParams
 from moerl.rollout.wire import ReplyError, token_id
 
-FAST = ClientConfig(backoff_s=0.01, backoff_cap_s=0.02, timeout_s=10.0)
+FAST = RolloutClientConfig(backoff_base_s=0.01, backoff_cap_s=0.02, timeout_s=10.0)
 
 
 @pytest.fixture
