@@ -7,8 +7,9 @@ forward/backward steps in bf16 (without recompute, with the H100 recipes' select
 recompute, with full recompute) and in each FP8 recipe the installed Transformer
 Engine supports, and prints step time and model FLOPs
 utilisation (MFU, from moerl.models.count). Then serves the `tiny` model through
-our rollout server on Megatron's dynamic inference engine and compares its greedy
-tokens with the static engine's (`gpu_smoke_rollout.py`), and prints the vLLM and
+our rollout server on Megatron's dynamic inference engine (CUDA graphs, continuous
+batching) and compares its greedy tokens with the continuous engine's
+(`gpu_smoke_rollout.py`), and prints the vLLM and
 SGLang command lines the launcher would run. `--check` only imports everything and
 prints those command lines (this is what runs on machines without a GPU).
 """
@@ -21,7 +22,7 @@ import time
 import traceback
 
 import torch
-from gpu_smoke_rollout import dynamic_vs_static, print_engine_commands
+from gpu_smoke_rollout import dynamic_engine_check, print_engine_commands
 
 from moerl.models.arch import TINY, MoEArch
 from moerl.models.build import build_model
@@ -127,7 +128,7 @@ def main() -> int:
     # Some FP8 recipes need newer GPUs (mxfp8: Blackwell): those are reported; the TE part
     # fails when bf16, with or without recompute, could not run.
     te_failed = any(name.startswith("bf16") for name in failures)
-    rollout_failed = args.only != "te" and not dynamic_vs_static()
+    rollout_failed = args.only != "te" and not dynamic_engine_check()
     if rollout_failed:
         failures.append("rollout-dynamic")
     if failures:

@@ -285,7 +285,7 @@ class RunConfig:
 
 def check_routing_replay(cfg: RunConfig) -> None:
     """`rl.routing_replay` needs an engine that returns the experts it routed to: a
-    moerl server on the static decoder, each layer's routers on the leader's rank."""
+    moerl server on the continuous or static decoder, each layer's routers on one rank."""
     if not cfg.rl.routing_replay:
         return
     rollout = cfg.rollout
@@ -294,8 +294,8 @@ def check_routing_replay(cfg: RunConfig) -> None:
         why = (f"rollout.engine={rollout.engine} does not return the experts it routed to; "
                "use rollout.engine=moerl")
     elif rollout.backend == "dynamic" or rollout.speculative != "none":
-        why = ("the static decoder without speculation returns them; set "
-               "rollout.backend=static rollout.speculative=none")
+        why = ("the continuous (or static) decoder without speculation returns them; set "
+               "rollout.backend=continuous rollout.speculative=none")
     elif rollout.pipeline_parallel > 1:
         why = ("with rollout.pipeline_parallel > 1 no rank holds every layer's router; set "
                "rollout.pipeline_parallel=1")
@@ -306,8 +306,9 @@ def check_routing_replay(cfg: RunConfig) -> None:
 
 
 def check_partial_rollouts(cfg: RunConfig) -> None:
-    """`rollout.partial_rollouts` needs async steps and a one-process moerl server on
-    the static decoder (the update runs between two of its decode steps)."""
+    """`rollout.partial_rollouts` needs async steps and a moerl server whose updates can
+    land between two decode steps: the continuous decoder (any ranks without pipeline
+    stages) or the static one on one process."""
     rollout = cfg.rollout
     if not rollout.partial_rollouts:
         return
@@ -317,10 +318,13 @@ def check_partial_rollouts(cfg: RunConfig) -> None:
     elif rollout.engine != "moerl":
         why = f"rollout.engine={rollout.engine} has no such update; use rollout.engine=moerl"
     elif rollout.backend == "dynamic" or rollout.speculative != "none":
-        why = "the static decoder runs them; set rollout.backend=static rollout.speculative=none"
-    elif server_ranks(rollout) > 1:
-        why = ("a server across ranks updates between batches only; set "
-               "rollout.tensor_parallel, expert_parallel and pipeline_parallel to 1")
+        why = ("the continuous decoder runs them; set rollout.backend=continuous "
+               "rollout.speculative=none")
+    elif rollout.pipeline_parallel > 1 or (rollout.backend == "static"
+                                           and server_ranks(rollout) > 1):
+        why = ("a server with pipeline stages, or on the static decoder across ranks, "
+               "updates between batches only; set rollout.pipeline_parallel=1 and "
+               "rollout.backend=continuous")
     if why is not None:
         raise ConfigError(f"rollout.partial_rollouts=true: {why}")
 

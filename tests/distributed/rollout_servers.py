@@ -41,8 +41,8 @@ def rollout_server(tmp: Path, ranks: int, flags: list[str], weights: Path,
     """A server on `ranks` ranks from `weights`; SIGTERM at the end must stop every rank.
     `pids` receives the pid of the server's launcher (torchrun, or the server itself)."""
     rendezvous = tmp / f"rendezvous-{len(list(tmp.iterdir()))}"
-    serve = ["-m", "moerl.launchers.cli", "serve", "rollout", "--port", "0", "--backend",
-             "static", "--weights", str(weights), "--rendezvous-dir", str(rendezvous), *flags]
+    serve = ["-m", "moerl.launchers.cli", "serve", "rollout", "--port", "0", "--kv-cache-gb",
+             "0.05", "--weights", str(weights), "--rendezvous-dir", str(rendezvous), *flags]
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc-per-node={ranks}"] if ranks > 1 else [sys.executable])
     env = {**worker_env(), "PYTHONPATH": str(SRC)}

@@ -1,6 +1,8 @@
 """The rollout server across ranks: `moerl serve rollout --tp/--ep/--pp` under torchrun
 (gloo, 2 ranks) against the one-process server, both over HTTP, from the same
-published weights.
+published weights. TP2, EP2 and TP2-EP2 run the continuous engine (at EP2 with
+data-parallel attention: each rank serves its own requests, which /health counts),
+PP2 the static decoder.
 
 Greedy completions must be the same tokens and their logprobs within 1e-5; seeded
 sampled completions the same tokens; a weight update must reach every rank (the
@@ -13,6 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -62,6 +65,10 @@ def test_server_across_ranks_answers_as_one_process(
     v0, v1 = weights
     with rollout_server(tmp_path, 2, LAYOUTS[layout], v0) as client:
         answers = _answers(client, v1)
+        health = httpx.get(f"{client.urls[0]}/health").json()
+    assert health["backend"] == ("static" if layout == "pp2" else "continuous")
+    if layout == "ep2":  # two attention replicas, each given its share of the rows
+        assert len(health["replica_rows"]) == 2 and min(health["replica_rows"]) > 0
     for key, groups in single.items():
         for mine, theirs in zip(answers[key], groups, strict=True):
             for a, b in zip(mine, theirs, strict=True):

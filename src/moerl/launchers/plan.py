@@ -91,7 +91,8 @@ def build_run_plan(
         rollout_command = _cli(
             launch, "serve", "rollout", "--host", "{host}", "--port", "{port}",
             "--arch-file", str(arch_file), "--max-batch", str(rollout.max_batch),
-            *backend, "--speculative", rollout.speculative,
+            "--kv-cache-gb", str(rollout.kv_cache_gb), "--prefill-chunk",
+            str(rollout.prefill_chunk), *backend, "--speculative", rollout.speculative,
             *(["--partial-rollouts"] if rollout.partial_rollouts else []),
             "--num-draft-tokens", str(rollout.num_draft_tokens), *ranks.flags,
             *rollout_precision_argv(precision),

@@ -1,4 +1,6 @@
-"""One worker thread in front of the engine: concurrent requests become one batch.
+"""One worker thread in front of a static engine: concurrent requests become one batch.
+
+(The continuous backend has its own worker: `continuous_scheduler`.)
 
 HTTP handlers put jobs on a queue; the worker takes the generation jobs at its
 head, up to `max_batch` rows (prompt x sample) together (always at least one),
@@ -50,29 +52,36 @@ class _Update:
     action: Callable[[], None] | None = None  # loads the version (None: from `path`)
 
 
-class BatchScheduler:
-    """Serialises access to one engine and batches what arrives together."""
+def run_update(engine: RolloutEngine, job: _Update) -> None:
+    """Load the update's version on `engine` and answer its future."""
+    if not job.future.set_running_or_notify_cancel():
+        return
+    try:
+        if job.action is not None:
+            job.action()
+        else:
+            engine.load_weights(job.path, job.version)
+        job.future.set_result(job.version)
+    except Exception as exc:
+        log.exception("weight update to version %d from %s failed", job.version, job.path)
+        job.future.set_exception(exc)
 
-    def __init__(self, engine: RolloutEngine, max_batch: int, wait_s: float = 0.05,
-                 partial: bool = False) -> None:
-        self.engine = engine
-        if partial:
-            engine.between_steps = self._updates_between_steps  # type: ignore[attr-defined]
-        self.max_batch = max_batch
-        # How long the oldest request may wait for others to fill its batch: requests
-        # sent together reach the server a few ms apart, and a static batch cannot
-        # take rows in later. The wait ends early once arrivals pause for a quarter of it,
-        # so a lone request is delayed by a quarter of it.
-        self.wait_s = wait_s
-        self._last_arrival = 0.0
+
+class JobQueue:
+    """The queue of generation and update jobs in front of one engine, and its worker
+    thread (`_loop`, the subclass's)."""
+
+    def __init__(self) -> None:
         self._jobs: deque[_Generate | _Update] = deque()
         self._wake = threading.Condition()
         self._closed = False
+        self._last_arrival = 0.0
         # Set while an update is queued or loading: (target version, since when).
         self.pending_update: tuple[int, float] | None = None
-        self.batches_run = 0
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
-        self._thread.start()
+
+    def _loop(self) -> None:
+        raise NotImplementedError
 
     def submit(self, requests: list[GenerationRequest]) -> Future[list[list[Sample]]]:
         job = _Generate(requests)
@@ -103,6 +112,31 @@ class BatchScheduler:
             self._closed = True
             self._wake.notify()
         self._thread.join(timeout=30)
+
+    def _next_pending(self) -> None:
+        """After an update: the next queued one, if any, is what the server waits for."""
+        with self._wake:
+            later = [j for j in self._jobs if isinstance(j, _Update)]
+            self.pending_update = (later[0].version, time.monotonic()) if later else None
+
+
+class BatchScheduler(JobQueue):
+    """Serialises access to one engine and batches what arrives together."""
+
+    def __init__(self, engine: RolloutEngine, max_batch: int, wait_s: float = 0.05,
+                 partial: bool = False) -> None:
+        super().__init__()
+        self.engine = engine
+        if partial:
+            engine.between_steps = self._updates_between_steps  # type: ignore[attr-defined]
+        self.max_batch = max_batch
+        # How long the oldest request may wait for others to fill its batch: requests
+        # sent together reach the server a few ms apart, and a static batch cannot
+        # take rows in later. The wait ends early once arrivals pause for a quarter of it,
+        # so a lone request is delayed by a quarter of it.
+        self.wait_s = wait_s
+        self.batches_run = 0
+        self._thread.start()
 
     def _next(self) -> list[_Generate] | _Update | None:
         """The update at the head, or the generation jobs that fit one batch."""
@@ -148,21 +182,10 @@ class BatchScheduler:
                 self._run_batch(work)
 
     def _run_update(self, job: _Update) -> None:
-        if not job.future.set_running_or_notify_cancel():
-            return
         try:
-            if job.action is not None:
-                job.action()
-            else:
-                self.engine.load_weights(job.path, job.version)
-            job.future.set_result(job.version)
-        except Exception as exc:
-            log.exception("weight update to version %d from %s failed", job.version, job.path)
-            job.future.set_exception(exc)
+            run_update(self.engine, job)
         finally:
-            with self._wake:
-                later = [j for j in self._jobs if isinstance(j, _Update)]
-                self.pending_update = (later[0].version, time.monotonic()) if later else None
+            self._next_pending()
 
     def _updates_between_steps(self) -> None:
         """In the worker thread, inside a generation: run the updates waiting now."""

@@ -30,15 +30,20 @@ class RolloutStageConfig:
     """The `rollout` group: the generation servers, and the trainer's client of them."""
 
     servers: int = 1
-    max_batch: int = 64  # rows (prompt x sample) per engine call
-    backend: Literal["auto", "static", "dynamic"] = "auto"
+    # moerl engine: continuous, sequences at once (0: as many as the KV cache holds);
+    # static, rows (prompt x sample) per batch (0: 32)
+    max_batch: int = 0
+    backend: Literal["auto", "continuous", "static", "dynamic"] = "auto"
+    kv_cache_gb: float = 0.0  # continuous: KV cache per rank (0: 1 GiB on CPU, half a GPU's free)
+    prefill_chunk: int = 2048  # continuous: tokens per forward (longer prompts are chunked)
     nodes: int = 1
     gpus_per_node: int = 0
     speculative: Literal["none", "ngram", "mtp"] = "none"  # draft-and-verify decoding
     num_draft_tokens: int = 4
     # With rl.mode=async: a weight update lands between two decode steps of the running
     # batch instead of after it; every token records the version that sampled it, and
-    # the trainer masks tokens past rl.max_staleness (moerl engine, one-rank servers).
+    # the trainer masks tokens past rl.max_staleness (moerl engine: continuous backend, or
+    # static on one rank).
     partial_rollouts: bool = False
     engine: str = "moerl"  # moerl | vllm | sglang (see rl.rollout.backends)
     # vllm / sglang only: they serve Hugging Face weights (`moerl hf export`).
@@ -77,20 +82,26 @@ class ServerRanks:
 
 
 def server_ranks_layout(cfg: RolloutStageConfig) -> ServerRanks:
-    """One rank: no flags. More: `--tp/--ep` and the static decoder, on one node when
+    """One rank: no flags. More: `--tp/--ep/--pp` and the backend, on one node when
     they fit its GPUs (`rollout.gpus_per_node`, 0: this machine), else across
-    ranks / gpus_per_node whole nodes per server (on a cluster)."""
+    ranks / gpus_per_node whole nodes per server (on a cluster). Across ranks the
+    continuous decoder serves with data-parallel attention; pipeline stages need the
+    static one."""
     ranks = server_ranks(cfg)
     if ranks == 1:
         return ServerRanks(1, 1, ())
     if cfg.speculative != "none" or cfg.backend == "dynamic":
         raise ValueError(
-            f"rollout.tensor/expert/pipeline_parallel: a server across ranks runs "
-            f"the static decoder; set rollout.backend=static (got {cfg.backend!r}) and "
-            f"rollout.speculative=none (got {cfg.speculative!r}), or serve on one rank")
+            f"rollout.tensor/expert/pipeline_parallel: a server across ranks runs the "
+            f"continuous or static decoder; set rollout.backend=continuous (got "
+            f"{cfg.backend!r}) and rollout.speculative=none (got {cfg.speculative!r}), or "
+            "serve on one rank")
+    if cfg.pipeline_parallel > 1 and cfg.backend == "continuous":
+        raise ValueError("rollout.pipeline_parallel > 1 runs the static decoder; set "
+                         "rollout.backend=static (or auto)")
     flags = ("--tp", str(cfg.tensor_parallel), "--ep", str(cfg.expert_parallel),
              *(("--pp", str(cfg.pipeline_parallel)) if cfg.pipeline_parallel > 1 else ()),
-             "--backend", "static")
+             "--backend", cfg.backend)
     per_node = cfg.gpus_per_node
     if not per_node or ranks <= per_node:
         return ServerRanks(ranks, 1, flags)

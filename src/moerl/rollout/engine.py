@@ -2,12 +2,14 @@
 
 `MegatronEngine` generates with the trainer's own `GPTModel` (built by
 `models.build`, weights read by `models.weights`), so there is no conversion
-between what is trained and what is served. The backend is chosen at run time:
-Megatron's dynamic engine (paged KV cache, continuous batching) where a GPU with
-flash attention is present, the static-context decoder elsewhere.
+between what is trained and what is served. The backend is chosen at run time
+(`options`): Megatron's dynamic engine where a GPU with flash attention is present,
+the continuous engine elsewhere (continuous batching, chunked prefill, a paged KV
+cache, shared prompts; data-parallel attention across ranks), the static decoder for
+pipeline stages and speculative decoding.
 
-Generation and weight loading take the same lock: a batch is produced entirely
-by one set of weights, and every `Sample` names that version.
+Generation, steps and weight loading take the same lock: a step runs on one set of
+weights, and every `Sample` names the versions its tokens came from.
 """
 
 from __future__ import annotations
@@ -17,31 +19,34 @@ import os
 import secrets
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Protocol
 
-import torch
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 
 from moerl.data.tokenizer import Tokenizer
 from moerl.models.arch import MoEArch
 from moerl.models.precision import PrecisionConfig
-from moerl.rollout.dynamic_decode import DynamicDecoder, dynamic_missing
+from moerl.rollout.continuous_decode import ContinuousDecoder
+from moerl.rollout.continuous_runner import ContinuousRunner
+from moerl.rollout.decoders import build_continuous, resolve_backend, wants_dynamic
+from moerl.rollout.dynamic_decode import DynamicDecoder
+from moerl.rollout.engine_weights import EngineBroken, WeightUpdates
+from moerl.rollout.options import STATIC_BATCH, Backend, EngineOptions
 from moerl.rollout.ranks import Command, RolloutRanks, WeightLoadError, serving_layout
 from moerl.rollout.routing_capture import RoutingCapture
 from moerl.rollout.sampling import RowSampling
-from moerl.rollout.speculative.config import SpeculativeConfig
 from moerl.rollout.speculative_decode import SpeculativeDecoder
 from moerl.rollout.static_decode import DecodeRow, StaticDecoder
-from moerl.rollout.types import GenerationRequest, LogprobMode, RequestError, Sample
-from moerl.rollout.weight_group import GroupSpec, Manifest, abort
-from moerl.rollout.weight_receive import ReceiveLink, install, join, stage
+from moerl.rollout.types import GenerationRequest, RequestError, Sample
+from moerl.rollout.weight_receive import ReceiveLink
+
+__all__ = ["Backend", "EngineBroken", "EngineOptions", "MegatronEngine", "RolloutEngine",
+           "WeightLoadError", "build_engine"]
 
 log = logging.getLogger(__name__)
-
-Backend = Literal["auto", "static", "dynamic"]
 
 
 class RolloutEngine(Protocol):
@@ -57,23 +62,7 @@ class RolloutEngine(Protocol):
     def load_weights(self, path: str | Path, version: int) -> None: ...
 
 
-class EngineBroken(RuntimeError):
-    """The weights are in an unknown state (a failed update could not be undone)."""
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    max_batch: int = 32  # rows (prompt x sample) per forward
-    backend: Backend = "auto"
-    logprob_mode: LogprobMode = "policy"  # default for requests that do not say
-    # Drafts verified by the policy (static backend); samples keep the policy's distribution.
-    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    # Partial rollouts: a weight update lands between two decode steps of a running
-    # batch (`between_steps`), and every token records the version that sampled it.
-    partial_rollouts: bool = False
-
-
-class MegatronEngine:
+class MegatronEngine(WeightUpdates):
     """`RolloutEngine` on the `GPTModel` this process holds: the whole model, or with
     `ranks` this rank's shard of it (see `rollout.ranks`; then this engine is the
     leader's, or a follower's driven by `ranks.follow`)."""
@@ -97,50 +86,44 @@ class MegatronEngine:
         # update runs inside a generation, between two of its decode steps.
         self.lock = threading.RLock()
         self.between_steps: Callable[[], None] | None = None
-        """Partial rollouts: called by the decoder after every step (the server's
+        """Partial rollouts on the static decoder: called after every step (the server's
         scheduler runs the weight updates waiting for it)."""
         self.broken: str | None = None
-        backend = self.options.backend
-        if backend == "auto" and self.options.speculative.enabled:
-            backend = "static"  # Megatron's dynamic engine has its own (MTP) speculation
-        self.backend = self._resolve_backend(backend)
-        eos = tokenizer.eos_id
-        speculative = self.options.speculative
-        if speculative.enabled and self.backend == "dynamic":
-            raise ValueError("speculative decoding runs on the static backend; set "
-                             "backend='static' or speculative.mode='none'")
-        if self.ranks is not None and (speculative.enabled or self.backend != "static"):
-            raise ValueError("a rollout server across ranks runs the static decoder: set "
-                             "backend='static' and speculative.mode='none', or serve on one "
-                             "rank")
-        self._decoder: StaticDecoder | DynamicDecoder | SpeculativeDecoder
-        self.capture: RoutingCapture | None = None  # the static decoder's routed experts
-        if speculative.enabled:
-            self._decoder = SpeculativeDecoder(model, eos, tokenizer.decode, speculative)
-        elif self.backend == "dynamic":
-            self._decoder = DynamicDecoder(
-                model, eos, tokenizer.decode, tokenizer.encode, self.options.max_batch,
-                max_sequence_length, self.options.logprob_mode)
-        else:
-            agree = self.ranks.agree_samples if self.ranks is not None else None
-            self.capture = RoutingCapture(model)
-            self._decoder = StaticDecoder(model, eos, tokenizer.decode, agree, self.capture)
-            self._decoder.version = lambda: self._version
-            self._decoder.between_steps = self._between_steps
-        if self.options.partial_rollouts and (self.capture is None or self.ranks is not None):
-            raise ValueError("partial rollouts run on the static decoder of a one-process "
-                             "server: backend='static', no speculative decoding, one rank")
+        self.backend = resolve_backend(self.options, model, self.ranks is not None)
+        self.runner: ContinuousRunner | None = None  # continuous and dynamic backends
+        self.continuous: ContinuousDecoder | None = None  # the continuous backend's decoder
+        self.capture: RoutingCapture | None = None  # the routed experts, where captured
+        self._decoder = self._make_decoder()
         model.eval()
 
-    @staticmethod
-    def _resolve_backend(backend: Backend) -> Literal["static", "dynamic"]:
-        if backend == "auto":
-            missing = dynamic_missing()
-            if missing is not None:
-                log.info("rollout backend: static KV-cache decoder (dynamic engine: %s)", missing)
-                return "static"
-            return "dynamic"
-        return backend
+    def _make_decoder(self) -> StaticDecoder | SpeculativeDecoder | None:
+        model, tokenizer, options = self.model, self.tokenizer, self.options
+        eos = tokenizer.eos_id
+        if options.speculative.enabled:
+            return SpeculativeDecoder(model, eos, tokenizer.decode, options.speculative)
+        if self.backend == "dynamic":
+            dynamic = DynamicDecoder(model, eos, tokenizer.decode, tokenizer.encode,
+                                     options.max_batch or 256, self.max_sequence_length,
+                                     options.logprob_mode, cuda_graphs=options.cuda_graphs,
+                                     prefill_chunk=options.prefill_chunk)
+            dynamic.version = lambda: self._version
+            self.runner = ContinuousRunner(dynamic, self._sample, self.ranks)
+            return None
+        self.capture = RoutingCapture(model)
+        if self.backend == "continuous":
+            agree = self.ranks.agree_in_replica if self.ranks is not None else None
+            decoder = build_continuous(model, eos, tokenizer.decode, options, self.capture, agree)
+            decoder.version = lambda: self._version
+            self.continuous = decoder
+            self.runner = ContinuousRunner(decoder, self._sample, self.ranks)
+            return None
+        if options.partial_rollouts and self.ranks is not None:
+            raise ValueError("partial rollouts across ranks run on the continuous backend")
+        agree = self.ranks.agree_samples if self.ranks is not None else None
+        static = StaticDecoder(model, eos, tokenizer.decode, agree, self.capture)
+        static.version = lambda: self._version
+        static.between_steps = self._between_steps
+        return static
 
     @property
     def weight_version(self) -> int:
@@ -157,15 +140,22 @@ class MegatronEngine:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model's context of {self.max_sequence_length} tokens"
             )
+        if self.continuous is not None:
+            cache = self.continuous.blocks.cache
+            if len(prompt) + params.max_tokens > cache.token_capacity:
+                raise RequestError(
+                    f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                    f"this server's KV cache of {cache.token_capacity} tokens; start it with a "
+                    "larger --kv-cache-gb")
         if params.return_routed_experts:
             self._check_routing()
 
     def _check_routing(self) -> None:
-        """The routed experts come from the static decoder on a whole model."""
+        """The routed experts come from the static or continuous decoder."""
         why = None
         if self.capture is None:
-            why = ("the static backend without speculative decoding captures them; serve "
-                   "with --backend static and no --speculative")
+            why = ("the continuous or the static backend without speculative decoding "
+                   "captures them; serve with --backend continuous and no --speculative")
         elif not self.capture.routers:
             why = "this model has no MoE layer"
         elif self.ranks is not None and ps.get_pipeline_model_parallel_world_size() > 1:
@@ -173,22 +163,76 @@ class MegatronEngine:
         if why is not None:
             raise RequestError(f"return_routed_experts: not available here: {why}")
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
+    def _seeded(self, requests: Sequence[GenerationRequest]) -> list[GenerationRequest]:
+        """Checked, and each without a seed given one here, so every rank samples alike."""
         for request in requests:
             self.check(request)
-        # A request without a seed gets one here, so every rank samples alike.
-        seeded = [r if r.sampling.seed is not None else
-                  replace(r, sampling=replace(r.sampling, seed=secrets.randbits(62)))
-                  for r in requests]  # fmt: skip
+        return [r if r.sampling.seed is not None else
+                replace(r, sampling=replace(r.sampling, seed=secrets.randbits(62)))
+                for r in requests]  # fmt: skip
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
+        seeded = self._seeded(requests)
         with self.lock:
             if self.broken is not None:
                 raise EngineBroken(self.broken)
+            if self.runner is not None:
+                out: list[list[list[Sample]]] = []
+                self.runner.submit(seeded, out.append)
+                while not out:
+                    self.step()
+                return out[0]
             if self.ranks is not None:
                 self.ranks.send(Command("generate", tuple(seeded)))
             return self.run_batch(seeded)
 
+    # -- continuous batching: requests join between steps (`ContinuousScheduler`) ------
+
+    def start(self, requests: Sequence[GenerationRequest],
+              done: Callable[[list[list[Sample]]], None]) -> None:
+        """Queue `requests` on the continuous runner; `done` gets their samples."""
+        assert self.runner is not None, "start/step run on the continuous backend"
+        seeded = self._seeded(requests)
+        with self.lock:
+            if self.broken is not None:
+                raise EngineBroken(self.broken)
+            self.runner.submit(seeded, done)
+
+    def busy(self) -> bool:
+        return self.runner is not None and self.runner.busy()
+
+    def step(self) -> None:
+        """One step of every running sequence (on every rank).
+
+        Across ranks a leader whose step fails cannot bring the other ranks back in step
+        (they wait in the step's collectives): it ends the job, as a failing follower does
+        (`ranks.follow`), and torchrun stops the rest."""
+        assert self.runner is not None
+        with self.lock:
+            if self.ranks is None:
+                self.runner.step()
+                return
+            try:
+                self.runner.step()
+            except Exception:
+                log.exception("a step failed on the leader; ending the server")
+                os._exit(1)
+
+    def abandon(self) -> None:
+        """Drop every sequence in flight (after a failed step)."""
+        if self.runner is not None:
+            with self.lock:
+                self.runner.drop_all()
+
+    def _weights_changed(self) -> None:
+        if self.runner is not None:  # prompts cached from now on are the new weights'
+            self.runner.decoder.forget_prefixes()
+
+    # -- the static decoders -------------------------------------------------------------
+
     def run_batch(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         """Decode seeded `requests` (on every rank of a server across ranks at once)."""
+        assert self._decoder is not None
         rows: list[list[DecodeRow]] = []
         for request in requests:
             assert request.sampling.seed is not None
@@ -203,22 +247,25 @@ class MegatronEngine:
         flat = [row for group in rows for row in group]
         # Similar prompt lengths share a forward: fewer steps spent reading prompts.
         flat.sort(key=lambda r: len(r.prompt))
-        for i in range(0, len(flat), self.options.max_batch):
-            self._decoder.decode(flat[i : i + self.options.max_batch])
+        batch = self.options.max_batch or STATIC_BATCH
+        for i in range(0, len(flat), batch):
+            self._decoder.decode(flat[i : i + batch])
         return [[self._sample(row, version) for row in group] for group in rows]
 
-    def _sample(self, row: DecodeRow, version: int) -> Sample:
+    def _sample(self, row: DecodeRow, version: int | None = None) -> Sample:
+        """`row` as a sample; its weight version is its first token's (or `version`)."""
         assert row.finish_reason is not None
         routed = None
         if row.sampling.params.return_routed_experts and self.capture is not None:
             routed = self.capture.pack(row.routing)
         partial = self.options.partial_rollouts and bool(row.versions)
+        first = row.versions[0] if row.versions else self._version
         return Sample(
             prompt_token_ids=tuple(row.prompt),
             token_ids=tuple(row.token_ids),
             logprobs=tuple(row.logprobs),
             finish_reason=row.finish_reason,
-            weight_version=row.versions[0] if partial else version,
+            weight_version=first if partial or version is None else version,
             text=row.text,
             speculation=row.speculation,
             routed_experts=routed,
@@ -228,126 +275,6 @@ class MegatronEngine:
     def _between_steps(self) -> None:
         if self.options.partial_rollouts and self.between_steps is not None:
             self.between_steps()
-
-    def load_weights(self, path: str | Path, version: int) -> None:
-        """Swap in the weights at `path` (a `models.weights` checkpoint) as `version`.
-
-        A failed load leaves the old weights and version: they are read back from
-        their own checkpoint (or from a host copy when they were a random init).
-        """
-        from moerl.models.weights_marker import is_complete
-
-        path = Path(path)
-        if not is_complete(path):
-            raise FileNotFoundError(f"{path} is not a complete weights checkpoint")
-        with self.lock:
-            if self.ranks is not None:
-                self.ranks.send(Command("load", path=str(path), version=version))
-            self.load_on_every_rank(path, version)
-
-    def load_on_every_rank(self, path: str | Path, version: int) -> None:
-        """This rank's shard of `path`; all ranks keep the old weights unless every
-        rank loaded its shard."""
-        from moerl.models.weights import load_weights
-
-        path = Path(path)
-        backup = None
-        if self._weights_path is None:
-            backup = {k: v.detach().to("cpu", copy=True)
-                      for k, v in self.model.state_dict().items() if torch.is_tensor(v)}
-        error: BaseException | None = None
-        try:
-            load_weights([self.model], path)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # torch's CheckpointException is a BaseException
-            error = exc
-        loaded = error is None
-        if self.ranks is not None:
-            loaded = self.ranks.all_ok(loaded)
-        if not loaded:
-            self._restore(backup)
-            why = ("another rank failed" if error is None else
-                   str(error).splitlines()[0] if str(error) else repr(error))
-            raise WeightLoadError(f"loading {path} as version {version} failed: {why}") \
-                from error
-        self._weights_path, self._version = path, version
-        self.model.eval()
-
-    def join_weight_group(self, spec: GroupSpec) -> None:
-        """Join the trainer's weight group (`rollout.weight_group`), every rank of the
-        server at once, and agree what each rank takes from which trainer rank; returns
-        when the whole group has joined."""
-        with self.lock:
-            if self.ranks is not None:
-                self.ranks.send(Command("join", group=spec))
-            self.join_on_every_rank(spec)
-
-    def join_on_every_rank(self, spec: GroupSpec) -> None:
-        """Raises WeightLoadError on every rank unless every rank joined."""
-        if self.arch is None:
-            raise WeightLoadError("this engine was built without its architecture; a weight "
-                                  "group needs it")
-        self._drop_link()
-        rank = spec.rank_offset + (self.ranks.rank if self.ranks is not None else 0)
-        problem = None
-        try:
-            self._link = join(spec, rank, self.model, self.arch)
-        except Exception as exc:
-            problem = f"joining weight group {spec.group_name}: {exc}"
-        if not self._all_ok(problem is None):
-            self._drop_link()
-            raise WeightLoadError(problem or "another rank of this server could not join")
-
-    def receive_weights(self, manifest: Manifest) -> None:
-        """Take version `manifest.version` from the weight group: every tensor arrives
-        before any parameter changes, so a failure leaves the old version whole."""
-        with self.lock:
-            if self.ranks is not None:
-                self.ranks.send(Command("receive", manifest=manifest))
-            self.receive_on_every_rank(manifest)
-
-    def receive_on_every_rank(self, manifest: Manifest) -> None:
-        """Raises WeightLoadError on every rank (old weights kept) unless every rank
-        received its whole shard; a failed group is left, the next version joins anew."""
-        problem, staged = None, None
-        if self._link is None:
-            problem = "no weight group joined (POST /init_weights_update_group first)"
-        else:
-            try:
-                staged = stage(self._link, manifest)
-            except Exception as exc:
-                problem = f"version {manifest.version}: {exc}"
-        if not self._all_ok(problem is None) or staged is None:
-            self._drop_link()
-            raise WeightLoadError(problem or f"version {manifest.version}: another rank of "
-                                  "this server did not receive it")
-        report = {**staged.traffic.as_dict(), "held_bytes": staged.held_bytes}
-        self.last_received = (self.ranks.gather_counts(report) if self.ranks is not None
-                              else [report])
-        install(staged)
-        self._weights_path, self._version = None, manifest.version
-        self.model.eval()
-
-    def _all_ok(self, ok: bool) -> bool:
-        return self.ranks.all_ok(ok) if self.ranks is not None else ok
-
-    def _drop_link(self) -> None:
-        if self._link is not None:
-            abort(self._link.group)
-            self._link = None
-
-    def _restore(self, backup: dict[str, torch.Tensor] | None) -> None:
-        from moerl.models.weights import load_weights
-
-        try:
-            if backup is not None:
-                self.model.load_state_dict(backup, strict=False)
-            elif self._weights_path is not None:
-                load_weights([self.model], self._weights_path)
-        except BaseException as exc:  # the model now holds a mix of two versions
-            self.broken = f"weight update failed and the old weights could not be restored: {exc}"
-            raise EngineBroken(self.broken) from exc
 
 
 def build_engine(preset: str | MoEArch, tokenizer: Tokenizer, *,
@@ -377,9 +304,14 @@ def build_engine(preset: str | MoEArch, tokenizer: Tokenizer, *,
     groups = init_parallel(layout, seed=seed)
     ranks = RolloutRanks() if dist.get_world_size() > 1 else None
     # On a GPU the model runs in bf16 by default (as the trainer does): the dynamic
-    # engine's flash attention takes fp16/bf16 only. CPU keeps fp32.
+    # engine's flash attention takes fp16/bf16 only. CPU keeps fp32. The dynamic engine
+    # captures CUDA graphs of layers built for them (the weights are the same).
+    options = options or EngineOptions()
+    overrides: dict[str, Any] = {}
+    if wants_dynamic(options, pp) and options.cuda_graphs > 0:
+        overrides["cuda_graph_impl"] = "local"
     (model,) = build_model(arch, layout, precision=resolve_precision(precision),
-                           backend=groups.backend)
+                           backend=groups.backend, **overrides)
     if weights is not None:
         load_weights([model], weights)
     return MegatronEngine(model, tokenizer, arch.max_position_embeddings, options,

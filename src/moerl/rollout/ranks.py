@@ -15,6 +15,11 @@ leader answers with.
 Pipeline stages hold a model too large for one stage's ranks; each decode step
 passes through them in turn (one token at a time, so a stage idles while the others
 compute): use them for memory, tensor and expert parallelism for speed.
+
+The continuous engine (`continuous_runner`) instead gives each attention replica (the
+ranks of one data-parallel index) requests of its own: its commands are `tick`s, each
+rank reports what its replica finished (`gather_reports`), and the ranks of a replica
+take the tokens sampled by its first rank (`agree_in_replica`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import os
 import signal
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -67,8 +72,12 @@ def serving_layout(arch: ModelShape, world_size: int, tp: int = 1, ep: int = 1,
 class Command:
     """What the leader sends before it runs something on the model."""
 
-    kind: Literal["generate", "load", "join", "receive", "stop"]
+    kind: Literal["generate", "tick", "load", "join", "receive", "stop"]
     requests: tuple[GenerationRequest, ...] = ()  # generate: seeds filled in
+    # tick: (replica, job, request index, request) assigned since the last tick, and
+    # whether any rank has work (then every rank runs a forward)
+    assignments: tuple[Any, ...] = ()
+    forward: bool = False
     path: str = ""  # load: a published weights directory
     version: int = 0
     group: GroupSpec | None = None  # join: the trainer's weight group
@@ -89,10 +98,51 @@ class RolloutRanks:
         if self.size > 1:
             dist.broadcast_object_list(box, group=self.group, group_src=0)
         self.source = dist.get_group_rank(self.group, box[0])
+        self._replica_groups()
+
+    def _replica_groups(self) -> None:
+        """Attention replicas: the ranks of each data-parallel index (group ranks, in
+        order); a gloo group for each replica of several ranks."""
+        from megatron.core import parallel_state as ps
+
+        indices: list[int] = [0] * self.size
+        dist.all_gather_object(indices, ps.get_data_parallel_rank(), group=self.group)
+        self.replicas = max(indices) + 1
+        self.replica = indices[self.rank]
+        members = [[r for r in range(self.size) if indices[r] == i] for i in range(self.replicas)]
+        self.replica_members = members[self.replica]
+        self.replica_group: dist.ProcessGroup | None = None
+        for group_ranks in members:  # every rank creates every group, in the same order
+            if len(group_ranks) > 1:
+                made = dist.new_group([dist.get_global_rank(self.group, r) for r in group_ranks],
+                                      backend="gloo", timeout=_IDLE_FOREVER)
+                if self.rank in group_ranks:
+                    self.replica_group = made
 
     @property
     def leader(self) -> bool:
         return self.rank == 0
+
+    @property
+    def reports_samples(self) -> bool:
+        """The first rank of each replica reports its samples (the others hold the same)."""
+        return self.rank == self.replica_members[0]
+
+    def agree_in_replica(self, tokens: torch.Tensor | None, logprobs: torch.Tensor | None,
+                         count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The replica's first rank's sampled tokens and logprobs, on each of its ranks."""
+        assert tokens is not None and logprobs is not None, "every replica rank has logits"
+        if self.replica_group is None:
+            return tokens, logprobs
+        both = torch.stack([tokens.double().cpu(), logprobs.double().cpu()])  # [2, count]
+        dist.broadcast(both, group=self.replica_group, group_src=0)
+        return both[0].to(tokens.device, torch.long), both[1].to(tokens.device, torch.float32)
+
+    def gather_reports(self, report: Any) -> list[Any]:
+        """Every rank's `report`, on the leader (a follower gets [])."""
+        out: list[Any] | None = [None] * self.size if self.leader else None
+        dist.gather_object(report, out, group=self.group, group_dst=0)
+        return out or []
 
     def send(self, command: Command) -> None:
         """Leader: hand `command` to every follower."""
@@ -159,7 +209,10 @@ def follow(engine: MegatronEngine, ranks: RolloutRanks) -> None:
             command = ranks.receive()
             if command.kind == "stop":
                 return
-            if command.kind == "generate":
+            if command.kind == "tick":
+                assert engine.runner is not None
+                engine.runner.tick(command.assignments, command.forward)
+            elif command.kind == "generate":
                 engine.run_batch(list(command.requests))
             else:
                 try:

@@ -46,6 +46,15 @@ class RoutingCapture:
         self._last.clear()
         return ids.reshape(len(self.routers), positions, rows, self.topk)
 
+    def take_tokens(self) -> torch.Tensor:
+        """(MoE layers, tokens, top-k) of the last forward, its tokens in the order fed."""
+        missing = [n for n in self.routers if n not in self._last]
+        if missing:
+            raise RuntimeError(f"no routing captured for MoE layers {missing}")
+        ids = torch.stack([self._last[n] for n in self.routers])  # (L, T, topk)
+        self._last.clear()
+        return ids
+
     def pack(self, per_forward: list[torch.Tensor]) -> RoutedExperts:
         """One row's captures, (L, s_i, top-k) each in position order, as the wire form."""
         ids = torch.cat(per_forward, dim=1)

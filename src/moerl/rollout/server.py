@@ -4,7 +4,8 @@ Endpoints: POST /v1/completions, GET /v1/models, GET /health, and
 POST /update_weights {"path": dir, "version": int}, and the same over the trainer's
 weight group (`rollout.weight_group`): POST /init_weights_update_group, then POST
 /update_weights_from_distributed per version. A weight update runs alone on
-the engine (see `batching`); a request that has waited longer than
+the engine, between two steps (`continuous_scheduler`; `batching` for the static
+backend, between two batches); a request that has waited longer than
 `--update-wait` seconds behind an update is answered 503 with Retry-After and
 never from half-loaded weights. Every completion names its weight version.
 
@@ -37,6 +38,7 @@ from moerl.models.precision import FP8_RECIPES, ParamsDtype, PrecisionConfig, Tr
 from moerl.rendezvous import ENV_INDEX, ENV_RENDEZVOUS
 from moerl.rendezvous import announce as announce_endpoint
 from moerl.rollout.batching import BatchScheduler
+from moerl.rollout.continuous_scheduler import ContinuousScheduler
 from moerl.rollout.engine import EngineBroken, EngineOptions, MegatronEngine, build_engine
 from moerl.rollout.openai_api import (
     CompletionBody,
@@ -46,6 +48,7 @@ from moerl.rollout.openai_api import (
     to_requests,
     to_response,
 )
+from moerl.rollout.options import BACKENDS, STATIC_BATCH
 from moerl.rollout.ranks import follow
 from moerl.rollout.speculative.config import SPECULATIVE_MODES, SpeculativeConfig
 from moerl.rollout.types import LOGPROB_MODES, RequestError
@@ -62,7 +65,7 @@ def _error(status: int, message: str, kind: str, **headers: str) -> JSONResponse
 @dataclass
 class ServerState:
     engine: MegatronEngine
-    scheduler: BatchScheduler
+    scheduler: BatchScheduler | ContinuousScheduler
     model_name: str
     update_wait_s: float
 
@@ -122,9 +125,16 @@ def create_app(state: ServerState) -> FastAPI:
             return _error(503, state.engine.broken, "engine_unavailable")
         pending = state.scheduler.pending_update
         ranks = state.engine.ranks.size if state.engine.ranks is not None else 1
-        return {"status": "ok", "weight_version": state.engine.weight_version,
-                "updating_to": pending[0] if pending else None, "backend": state.engine.backend,
-                "ranks": ranks}
+        reply = {"status": "ok", "weight_version": state.engine.weight_version,
+                 "updating_to": pending[0] if pending else None,
+                 "backend": state.engine.backend, "ranks": ranks}
+        if state.engine.runner is not None:  # rows each attention replica was given
+            reply["replica_rows"] = list(state.engine.runner.served)
+        if state.engine.continuous is not None:
+            cache = state.engine.continuous.blocks.cache
+            reply["kv_cache_tokens"] = cache.token_capacity
+            reply["kv_bytes_per_token"] = cache.bytes_per_token
+        return reply
 
     @app.post("/init_weights_update_group", response_model=None)
     async def init_weight_group(body: GroupBody) -> dict[str, Any] | JSONResponse:
@@ -169,6 +179,16 @@ async def _updated(state: ServerState, future: Any) -> dict[str, Any] | JSONResp
     return {"weight_version": version}
 
 
+def make_scheduler(engine: MegatronEngine, batch_wait_s: float = 0.05
+                   ) -> BatchScheduler | ContinuousScheduler:
+    """The worker in front of `engine`: continuous steps, or static batches."""
+    partial = engine.options.partial_rollouts
+    if engine.runner is not None:
+        return ContinuousScheduler(engine, partial=partial)
+    return BatchScheduler(engine, engine.options.max_batch or STATIC_BATCH, batch_wait_s,
+                          partial=partial)
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="moerl serve rollout", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
@@ -183,10 +203,23 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="announce host:port there once healthy (default: from the launcher)")
     p.add_argument("--index", type=int, default=int(os.environ.get(ENV_INDEX, "0")),
                    help="this server's number in the rendezvous")
-    p.add_argument("--max-batch", type=int, default=32, help="rows (prompt x sample) per batch")
+    p.add_argument("--max-batch", type=int, default=0,
+                   help="continuous: sequences at once (0: as many as the KV cache holds); "
+                        f"static: rows (prompt x sample) per batch (0: {STATIC_BATCH})")
     p.add_argument("--batch-wait-ms", type=float, default=50.0,
-                   help="how long a request may wait for others to share its batch")
-    p.add_argument("--backend", choices=("auto", "static", "dynamic"), default="auto")
+                   help="static: how long a request may wait for others to share its batch")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="auto: Megatron's dynamic engine on a GPU with flash attention, else "
+                        "continuous batching (static for pipeline stages and speculation)")
+    p.add_argument("--kv-cache-gb", type=float, default=0.0,
+                   help="continuous: KV cache per rank (0: 1 GiB on a CPU, half the GPU's "
+                        "free memory)")
+    p.add_argument("--block-size", type=int, default=16, help="continuous: tokens per KV block")
+    p.add_argument("--cuda-graphs", type=int, default=16,
+                   help="dynamic: CUDA graphs Megatron's engine captures (0: none)")
+    p.add_argument("--prefill-chunk", type=int, default=2048,
+                   help="continuous: tokens per forward (prompts longer than this are read "
+                        "in chunks)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor parallelism across this server's ranks (under torchrun)")
     p.add_argument("--ep", type=int, default=1,
@@ -222,8 +255,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--end-of-turn-token", default=None,
                    help="a token that also ends generation (the chat template's end of turn)")
     args = p.parse_args(argv)
-    if args.max_batch < 1:
-        p.error("--max-batch must be >= 1")
+    if args.max_batch < 0 or args.kv_cache_gb < 0:
+        p.error("--max-batch and --kv-cache-gb must be >= 0 (0: sized from memory)")
+    if args.block_size < 1 or args.prefill_chunk < 1 or args.cuda_graphs < 0:
+        p.error("--block-size and --prefill-chunk must be >= 1, --cuda-graphs >= 0")
     if args.tp < 1 or args.ep < 1 or args.pp < 1:
         p.error("--tp, --ep and --pp must be >= 1")
     return args
@@ -260,15 +295,16 @@ def main(argv: list[str] | None = None) -> int:
     speculative = SpeculativeConfig(mode=args.speculative, num_draft_tokens=args.num_draft_tokens,
                                     adaptive=args.adaptive_drafts)
     options = EngineOptions(args.max_batch, args.backend, args.logprob_mode, speculative,
-                            partial_rollouts=args.partial_rollouts)
+                            partial_rollouts=args.partial_rollouts, kv_cache_gb=args.kv_cache_gb,
+                            block_size=args.block_size, prefill_chunk=args.prefill_chunk,
+                            cuda_graphs=args.cuda_graphs)
     engine = build_engine(_arch(args), tokenizer, weights=args.weights, seed=args.seed,
                           options=options, precision=precision_of(args), tp=args.tp, ep=args.ep,
                           pp=args.pp)
     if engine.ranks is not None and not engine.ranks.leader:
         follow(engine, engine.ranks)
         return 0
-    scheduler = BatchScheduler(engine, args.max_batch, args.batch_wait_ms / 1000,
-                               partial=args.partial_rollouts)
+    scheduler = make_scheduler(engine, args.batch_wait_ms / 1000)
     state = ServerState(engine, scheduler, args.model, args.update_wait)
     app = create_app(state)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,

@@ -44,7 +44,7 @@ def test_server_runs_on_pp_times_lcm_of_tp_and_ep_ranks(tmp_path: Path, tp: int,
     server = argv[argv.index("--no-python") + 1:]
     assert server[1:5] == ["-m", "moerl.launchers.cli", "serve", "rollout"]
     args = _parse(server[5:])
-    assert (args.tp, args.ep, args.pp, args.backend) == (tp, ep, pp, "static")
+    assert (args.tp, args.ep, args.pp, args.backend) == (tp, ep, pp, "auto")
 
 
 def _trainer() -> StageSpec:
@@ -72,7 +72,8 @@ def test_an_engine_larger_than_a_node_spans_whole_nodes(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["rollout.tensor_parallel=2", "rollout.backend=dynamic"], r"rollout\.backend=static"),
+    (["rollout.tensor_parallel=2", "rollout.backend=dynamic"], r"rollout\.backend=continuous"),
+    (["rollout.pipeline_parallel=2", "rollout.backend=continuous"], r"rollout\.backend=static"),
     (["rollout.expert_parallel=2", "rollout.speculative=mtp"], r"rollout\.speculative=none"),
     (["rollout.tensor_parallel=16", "rollout.gpus_per_node=8"], r"need rollout\.nodes=2"),
     (["rollout.tensor_parallel=12", "rollout.gpus_per_node=8"], r"multiple of 8"),

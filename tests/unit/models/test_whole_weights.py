@@ -1,6 +1,6 @@
 """The whole-model weight file (`models.whole_weights`): which layouts write it, a round
 trip through `load_weights`, and a file that does not fit the model refused by name.
-Other layouts reading it: tests/distributed/test_whole_weights.py."""
+Other layouts reading it: tests/distributed/test_whole_weights_split_server.py."""
 
 from __future__ import annotations
 

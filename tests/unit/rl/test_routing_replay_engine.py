@@ -46,12 +46,12 @@ def policy() -> Iterator[Policy]:
     destroy_parallel()
 
 
-def _engine(policy: Policy, tmp_path: Path) -> MegatronEngine:
+def _engine(policy: Policy, tmp_path: Path, backend: str = "static") -> MegatronEngine:
     weights = policy.publish(tmp_path / "v0")
     (model,) = build_model(TINY, policy.groups.layout)
     load_weights([model], weights)
     return MegatronEngine(model, ByteTokenizer(), TINY.max_position_embeddings,
-                          EngineOptions(backend="static"))
+                          EngineOptions(backend=backend, kv_cache_gb=0.01))  # type: ignore[arg-type]
 
 
 def _through_the_wire(groups: list[list[Sample]]) -> list[Sample]:
@@ -67,8 +67,10 @@ def _gap(policy: Policy, samples: list[Sample], replay: bool) -> float:
                for lp, s in zip(trainer, samples, strict=True))
 
 
-def test_replayed_engine_routing_keeps_the_gap_at_noise(policy: Policy, tmp_path: Path) -> None:
-    engine = _engine(policy, tmp_path)
+@pytest.mark.parametrize("backend", ["continuous", "static"])
+def test_replayed_engine_routing_keeps_the_gap_at_noise(policy: Policy, tmp_path: Path,
+                                                        backend: str) -> None:
+    engine = _engine(policy, tmp_path, backend)
     gen = torch.Generator().manual_seed(0)
     # Eight rows, one of them done early: it stays in the batch (not yet compacted)
     # while the others go on, and its routing must end where its tokens do.
@@ -121,7 +123,7 @@ def test_routing_is_returned_only_when_asked_and_refused_where_it_cannot_be(
 @pytest.mark.parametrize(("overrides", "message"), [
     (["rollout.engine=vllm", "rollout.hf_model_dir=/m", "tokenizer=hf", "tokenizer.path=/m"],
      "rollout.engine=vllm does not return"),
-    (["rollout.backend=dynamic"], "rollout.backend=static"),
+    (["rollout.backend=dynamic"], "rollout.backend=continuous"),
     (["rollout.speculative=ngram"], "rollout.speculative=none"),
     (["rollout.pipeline_parallel=2"], "rollout.pipeline_parallel=1"),
     (["rl.task_source=agent"], "an episode's turns"),

@@ -16,8 +16,10 @@ from moerl.rollout.engine import EngineOptions, MegatronEngine, build_engine
 SEED = 1234
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def engine() -> Iterator[MegatronEngine]:
+    """Per module, not per package: under pytest-xdist a package fixture lives until the
+    worker ends, and its process group would outlast the package into other tests."""
     from moerl.parallel.groups import destroy_parallel
 
     torch.set_num_threads(1)  # the machine is shared; small matmuls gain nothing from more
@@ -26,7 +28,7 @@ def engine() -> Iterator[MegatronEngine]:
     destroy_parallel()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def model(engine: MegatronEngine) -> GPTModel:
     return engine.model
 
@@ -50,7 +52,7 @@ def greedy_no_cache(model: GPTModel, prompt: list[int], steps: int) -> list[int]
 VOCAB = TINY.vocab_size
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def other_model(engine: MegatronEngine) -> GPTModel:
     """The same architecture with other weights (a different seed)."""
     from moerl.models.build import build_model
@@ -62,7 +64,7 @@ def other_model(engine: MegatronEngine) -> GPTModel:
     return built
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def other_weights(other_model: GPTModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from moerl.models.weights import save_weights
 

@@ -89,11 +89,38 @@ def test_an_update_lands_mid_generation_and_every_token_has_its_version(
     scheduler.submit_update(before, 2).result(timeout=60)
 
 
-def test_without_partial_rollouts_an_update_waits_for_the_batch(
-        fresh_model: GPTModel, other_weights: Path) -> None:
+def test_the_continuous_engine_takes_an_update_between_two_steps(
+        fresh_model: GPTModel, other_weights: Path, tmp_path: Path) -> None:
+    """What its scheduler does with partial rollouts, step by step."""
     engine = MegatronEngine(fresh_model, ByteTokenizer(), TINY.max_position_embeddings,
-                            EngineOptions(max_batch=8, backend="static"))
-    scheduler = BatchScheduler(engine, max_batch=8, wait_s=0.0)
+                            EngineOptions(backend="continuous", partial_rollouts=True,
+                                          kv_cache_gb=0.01))
+    before = save_weights([fresh_model], tmp_path / "v0")
+    alone = engine.generate([_greedy(1)])[0][0]  # v0 throughout
+    results: list[list[list[Sample]]] = []
+    engine.start([_greedy(2)], results.append)
+    for _ in range(20):  # the prompt and 19 more tokens
+        engine.step()
+    engine.load_weights(other_weights, 1)
+    while engine.busy():
+        engine.step()
+    for sample in _through_the_wire(results[0]):
+        assert sample.versions == (0,) * 20 + (1,) * 100
+        assert sample.weight_version == 0  # the first token's
+        assert sample.token_ids[:20] == alone.token_ids[:20]  # v0's greedy tokens
+        assert sample.token_ids[20:] != alone.token_ids[20:]  # then the new weights'
+    engine.load_weights(before, 2)
+
+
+@pytest.mark.parametrize("backend", ["static", "continuous"])
+def test_without_partial_rollouts_an_update_waits_for_the_batch(
+        fresh_model: GPTModel, other_weights: Path, backend: str) -> None:
+    from moerl.rollout.server import make_scheduler
+
+    engine = MegatronEngine(fresh_model, ByteTokenizer(), TINY.max_position_embeddings,
+                            EngineOptions(max_batch=8, backend=backend,  # type: ignore[arg-type]
+                                          kv_cache_gb=0.01))
+    scheduler = make_scheduler(engine, batch_wait_s=0.0)
     try:
         running = scheduler.submit([_greedy(1)])
         time.sleep(0.2)
@@ -136,13 +163,17 @@ def test_tokens_past_the_staleness_bound_are_masked_per_token() -> None:
 @pytest.mark.parametrize(("overrides", "message"), [
     ([], "set rl.mode=async"),
     (["rl.mode=async", "rollout.speculative=ngram"], "rollout.speculative=none"),
-    (["rl.mode=async", "rollout.tensor_parallel=2"], "set rollout.tensor_parallel"),
+    (["rl.mode=async", "rollout.pipeline_parallel=2"], "set rollout.pipeline_parallel=1"),
+    (["rl.mode=async", "rollout.expert_parallel=2", "rollout.backend=static"],
+     "rollout.backend=continuous"),
 ])  # fmt: skip
 def test_partial_rollouts_are_refused_where_no_update_can_land_mid_batch(
         overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_run_config(["rollout.partial_rollouts=true", *overrides], world_size=1)
     load_run_config(["rollout.partial_rollouts=true", "rl.mode=async"], world_size=1)
+    load_run_config(["rollout.partial_rollouts=true", "rl.mode=async",  # continuous, EP2
+                     "rollout.expert_parallel=2"], world_size=1)
 
 
 def test_the_server_flag_reaches_the_rollout_command(tmp_path: Path) -> None:

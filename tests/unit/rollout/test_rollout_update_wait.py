@@ -25,6 +25,8 @@ class SlowLoadEngine(FakeEngine):
     backend = "fake"
     broken: str | None = None
     ranks = None  # one process
+    runner = None  # the static backend
+    continuous = None
 
     def check(self, request: GenerationRequest) -> None:
         pass
