@@ -53,11 +53,12 @@ class MoEArch:
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
     latent_norms: bool = False
-    """MLA's RMSNorms on the q and kv latents (DeepSeek-V3 family checkpoints have them;
-    the published presets and Hugging Face imports set this). Off in `tiny`, whose
-    parity tests compare weights after an Adam step exactly: with the norms (and MTP)
-    more gradient entries are ~1e-8, where Adam's first step (about lr * sign(g))
-    turns fp32 summation order into +-lr; the gradients themselves agree to 5e-8."""
+    """MLA's RMSNorms on the q and kv latents (`qk_layernorm` in Megatron's MLA).
+    DeepSeek-V3 family checkpoints have them, and every shipped preset and Hugging Face
+    import sets this; False is for architectures without them (the HF export refuses
+    those). The parity suite runs them at every layout: its Adam eps of 1e-3
+    (tests/distributed/parity_checks.py) keeps the ~1e-8 gradient entries they produce
+    from turning fp32 summation order into +-lr in the weights."""
 
     # Feed-forward. Layers [0, first_k_dense) are dense SwiGLU, the rest MoE.
     ffn_hidden_size: int = 18432  # dense layers
@@ -150,19 +151,22 @@ class MoEArch:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
-# Tiny: every code path of the big presets (MLA with q-LoRA, a dense first layer,
-# shared expert, sigmoid group-limited routing with expert bias, MTP) at a few
-# million parameters, so it trains on CPU in seconds. Four layers divide by
+# Tiny: every code path of the big presets (MLA with q-LoRA and latent norms, a dense
+# first layer, shared expert, sigmoid group-limited routing with expert bias, MTP) at a
+# few million parameters, so it trains on CPU in seconds. Four layers divide by
 # pipeline x virtual stages = 2 x 2; four experts divide by EP 2 and 4.
-# Its shape is kept for SFT too: on the demo's copy task it learns as a standard MoE
-# of its size does. None of 20 one-change variants (standard attention, no MTP,
-# softmax router, init, learning rates, Adam settings, tied embeddings, rotary base)
-# nor a Hugging Face Mixtral of the same size class trained by a plain torch loop
-# beats it at 100 steps (benchmarks/sft_sample_efficiency.py), and transformers'
-# DeepseekV3ForCausalLM of this shape, trained by TRL on the same rows and steps,
-# reaches the same held-out pass rate (benchmarks/learning_vs_trl.py).
+# On the demo's rows (single-digit constants) it learns as a standard MoE of its size
+# does: none of 20 one-change variants (standard attention, no MTP, softmax router,
+# init, learning rates, Adam settings, tied embeddings, rotary base) nor a Hugging
+# Face Mixtral of its size class trained by a plain torch loop beats it at 100 steps
+# (benchmarks/sft_sample_efficiency.py --task demo). Where answers copy multi-digit
+# numbers from the prompt (--task copy), neither it nor a Qwen3-MoE of its size
+# passes a held-out prompt after 63 steps of 32 rows, but the Qwen3-MoE starts
+# copying sooner: its per-head RMSNorms of queries and keys, which DeepSeek-V3's MLA
+# does not have, made the difference on one seed (README, "SFT sample efficiency").
 TINY = MoEArch(
     name="tiny",
+    latent_norms=True,
     num_layers=4,
     hidden_size=128,
     num_attention_heads=4,

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 import torch
+from megatron.core.transformer.identity_op import IdentityOp
 
-from moerl.models.arch import TINY
+from moerl.models.arch import PRESETS, TINY, MoEArch
 from moerl.models.build import BuildError, build_layer_spec, build_transformer_config
 from moerl.models.features import resolve_precision
 from moerl.models.mla_local import MLADotProductAttention, TPExactMLASelfAttention
@@ -42,6 +43,15 @@ assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
 assert any("mtp" in n for n in grads)  # the MTP layer is built and trained
 assert any("shared_experts" in n for n in grads)
 assert any("expert_bias" in n for n, _ in model.named_buffers())
+# MLA's q and kv latent norms, in every decoder layer and the MTP layer, in the graph.
+modules = dict(model.named_modules())
+attentions = [n for n in modules if n.endswith("self_attention")]
+assert len(attentions) == TINY.num_layers + TINY.mtp_num_layers, attentions
+for name in attentions:
+    for norm, width in (("q_layernorm", TINY.q_lora_rank), ("kv_layernorm", TINY.kv_lora_rank)):
+        assert type(modules[f"{name}.{norm}"]).__name__ == "RMSNorm", (name, norm)
+        assert grads[f"{name}.{norm}.weight"].shape == (width,)
+        assert grads[f"{name}.{norm}.weight"].abs().sum() > 0, (name, norm)
 print("ok")
 """
 
@@ -63,6 +73,23 @@ def test_spec_has_dense_first_layer_and_mla_fixes() -> None:
     attention = block.layer_specs[0].submodules.self_attention
     assert attention.module is TPExactMLASelfAttention
     assert attention.submodules.core_attention is MLADotProductAttention
+
+
+@pytest.mark.usefixtures("single_process")
+@pytest.mark.parametrize("arch", [a for a in PRESETS.values() if a.attention == "mla"],
+                         ids=lambda a: a.name)
+def test_presets_build_mla_latent_norms(arch: MoEArch) -> None:
+    """Every shipped MLA preset has RMSNorms on the q and kv latents, as DeepSeek-V3
+    family checkpoints do; the decoder and MTP layer specs build them."""
+    assert arch.latent_norms
+    config = build_transformer_config(arch, ParallelLayout())
+    assert config.qk_layernorm
+    block, mtp = build_layer_spec(config, te=False)
+    specs = [*block.layer_specs, *(mtp.layer_specs if mtp is not None else [])]
+    for spec in specs:
+        attention = (spec.submodules.mtp_model_layer if hasattr(spec.submodules, "mtp_model_layer")
+                     else spec).submodules.self_attention.submodules
+        assert attention.q_layernorm is not IdentityOp and attention.kv_layernorm is not IdentityOp
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
