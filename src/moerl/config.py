@@ -158,7 +158,11 @@ class ClusterConfig:
     mem_per_cpu: str | None = None
     """e.g. "4G" for every component; None: the cluster's default."""
     signal_seconds: int = 600
-    """USR1 this long before the time limit (checkpoint, then requeue); 0: none."""
+    """USR1 this long before the time limit (checkpoint, then requeue); 0: none. It must
+    cover a step and a save (`launchers.save_cadence`, checked at start-up)."""
+    checkpoint_write_gbps: float | None = None
+    """GB/s the shared filesystem takes from all nodes at once, for the time of a save;
+    None: unknown (the SIGUSR1 lead is then checked against the step alone)."""
     requeue: bool = True
     job_name: str | None = None
     """None: the name of the run directory."""
@@ -211,6 +215,8 @@ class ClusterConfig:
             raise ValueError(f"cluster.mem_per_cpu={self.mem_per_cpu!r}: expected e.g. 4000, 4G")
         if self.signal_seconds < 0 or self.grace_s < 0:
             raise ValueError("cluster.signal_seconds and cluster.grace_s must be >= 0")
+        if self.checkpoint_write_gbps is not None and self.checkpoint_write_gbps <= 0:
+            raise ValueError("cluster.checkpoint_write_gbps: > 0 (GB/s), or null")
 
     def partition(self, stage: str) -> str | None:
         """The partition of a stage's het group (None: the cluster's default); the

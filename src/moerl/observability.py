@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 WandbMode = Literal["offline", "online", "disabled"]
+METRICS_FILE = "metrics.jsonl"  # in the run directory
 
 
 @dataclass
@@ -55,7 +56,7 @@ class MetricsLogger:
         self.cfg = cfg
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS_FILE
         self._wandb: Any = None
         if cfg.wandb_mode != "disabled":
             import wandb

@@ -1,7 +1,9 @@
 """Import a tiny HF DeepSeek-V3 under a layout, write its logits, export it back.
 
 Run under torchrun (or as one plain process). Rank 0 writes `logits.pt` (full
-vocabulary, gathered over tensor parallelism) and every rank takes part in the
+vocabulary, gathered over tensor parallelism) and `import.json`: per rank, the bytes
+its import read from the safetensors files, and whether every tensor it holds equals
+the import that reads each tensor whole and cuts it. Every rank takes part in the
 export to `<out>/hf`. `tiny_hf_checkpoint` builds the model the tests share.
 """
 
@@ -64,8 +66,26 @@ def megatron_logits(chunk: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
             logits, group=ps.get_tensor_model_parallel_group())
 
 
+def same_as_whole(hf_dir: Path, arch: Any, chunks: list[Any]) -> bool:
+    """Does every tensor this rank holds equal the whole HF tensor read, converted and
+    cut (the import before slices)?"""
+    from moerl.models.hf import local_tensors, shard
+    from moerl.models.hf_files import HFCheckpoint
+    from moerl.models.hf_mapping import rules, to_megatron
+
+    whole = HFCheckpoint(hf_dir)
+    by_name = {r.megatron: r for r in rules(arch)}
+    interleave = bool(whole.config.get("rope_interleave", True))
+    return all(torch.equal(local, shard(name, to_megatron(by_name[name], whole, arch,
+                                                          interleave), local))
+               for chunk in chunks for name, local in local_tensors(chunk, arch))
+
+
 def main() -> None:
-    from moerl.models.hf import export_hf, import_hf
+    import torch.distributed as dist
+
+    from moerl.models.hf import export_hf
+    from moerl.models.hf_import import import_hf
     from moerl.parallel.groups import destroy_parallel, init_parallel
     from moerl.parallel.layout import ParallelLayout
 
@@ -81,7 +101,19 @@ def main() -> None:
     layout = ParallelLayout(**degrees)
     layout.dp = world // (layout.tp * layout.pp * layout.cp)
     groups = init_parallel(layout, seed=3)
-    arch, chunks = import_hf(args.hf, layout)
+    arch, chunks, reader = import_hf(args.hf, layout)
+    from moerl.models.hf import local_tensors
+
+    held = sum(local.numel() for chunk in chunks for _, local in local_tensors(chunk, arch))
+    report: list[Any] = [{"bytes_read": reader.bytes_read, "held_bytes": 4 * held,  # fp32 files
+                          "same_as_whole": same_as_whole(args.hf, arch, chunks)}]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        mine = report[0]
+        report = [None] * dist.get_world_size()
+        dist.all_gather_object(report, mine)
+    if groups.rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "import.json").write_text(json.dumps(report))
     if layout.pp == 1:  # one chunk holds the whole model: its output is the logits
         logits = megatron_logits(chunks[0], tokens())
         if groups.rank == 0:

@@ -5,7 +5,7 @@
 
 `train` writes the losses of the steps it ran to --out (rank 0). `probe` builds
 the model once and tries one `Checkpointer.load` per case, recording the error
-(or the loss of one step after the load) for each.
+(or the losses of the case's "steps" steps after the load, 1 by default) for each.
 """
 
 from __future__ import annotations
@@ -62,14 +62,17 @@ def probe(args: argparse.Namespace) -> Any:
             results.append({"error": str(err)})
             continue
         assert resumed is not None
-        metrics = train_step(
-            trainable.model,  # type: ignore[arg-type]
-            trainable.optimizer,
-            batch_iterators(corpus, resumed.step, groups, GLOBAL_BATCH, MICRO_BATCH),
-            num_microbatches=GLOBAL_BATCH // (MICRO_BATCH * layout.dp),
-            micro_batch_size=MICRO_BATCH, seq_length=SEQ, scheduler=trainable.scheduler,
-        )
-        results.append({"step": resumed.step, "loss": metrics.loss})
+        losses = []
+        for step in range(resumed.step, resumed.step + case.get("steps", 1)):
+            metrics = train_step(
+                trainable.model,  # type: ignore[arg-type]
+                trainable.optimizer,
+                batch_iterators(corpus, step, groups, GLOBAL_BATCH, MICRO_BATCH),
+                num_microbatches=GLOBAL_BATCH // (MICRO_BATCH * layout.dp),
+                micro_batch_size=MICRO_BATCH, seq_length=SEQ, scheduler=trainable.scheduler,
+            )
+            losses.append(metrics.loss)
+        results.append({"step": resumed.step, "loss": losses[0], "losses": losses})
     destroy_parallel()
     return results
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,7 +24,8 @@ from typing import Any
 import psutil
 import pytest
 
-from moerl.checkpoint.manifest import write_manifest
+from moerl.checkpoint.digests import write_file
+from moerl.checkpoint.manifest import MANIFEST, write_manifest
 
 WORKER = Path(__file__).with_name("resume_worker.py")
 STEPS = 6
@@ -125,18 +127,51 @@ def test_sigkill_mid_training_then_resume_is_exact(reference: Any, tmp_path: Pat
     assert losses == ref[STEPS - len(losses):] and len(losses) == 4
 
 
-def test_resume_under_tp2_reshards_model_and_optimizer(reference: Any, tmp_path: Path) -> None:
-    ckpt, ref = reference
-    cfg = {"dir": str(tmp_path / "ckpt"), "resume": str(ckpt / "step_00000002")}
-    _ok(_run(2, _args(tmp_path / "a.json", cfg, {"tp": 2})))
-    losses = json.loads((tmp_path / "a.json").read_text())
-    print("tp2 resume: max |dloss|", max(abs(a - b) for a, b in zip(losses, ref[2:], strict=True)))
+def _probe(ranks: int, layout: dict[str, Any], cases: list[dict[str, Any]],
+           out: Path) -> list[dict[str, Any]]:
+    args = ["probe", "--layout", json.dumps(layout), "--cases", json.dumps(cases),
+            "--out", str(out)]
+    _ok(_run(ranks, args))
+    result: list[dict[str, Any]] = json.loads(out.read_text())
+    return result
+
+
+def _close_to_reference(losses: list[float], ref: list[float]) -> None:
     # The first loss depends only on the loaded weights: equal to TOL. The later ones
-    # also depend on the resharded Adam moments, and TP2 sums in another order, which
-    # Adam's per-element normalisation magnifies (measured up to 1.6e-5 relative):
-    # bounded relatively; a lost or mismatched optimizer state moves them by ~1e-2.
-    assert losses[0] == pytest.approx(ref[2], abs=TOL)
-    assert losses[1:] == pytest.approx(ref[3:], rel=1e-4)
+    # also depend on the resharded Adam moments, and another layout sums in another
+    # order, which Adam's per-element normalisation magnifies (measured up to 1.6e-5
+    # relative): bounded relatively; a lost or mismatched optimizer state moves them
+    # by ~1e-2.
+    print("resume at another layout: max |dloss|",
+          max(abs(a - b) for a, b in zip(losses, ref, strict=True)))
+    assert losses[0] == pytest.approx(ref[0], abs=TOL)
+    assert losses[1:] == pytest.approx(ref[1:], rel=1e-4)
+
+
+def test_dp_reshardable_resumes_under_another_dp(reference: Any, tmp_path: Path) -> None:
+    """The default optimizer format (each rank writes its own shard) reshards across
+    data parallelism: a 1-rank checkpoint continues on 2 data-parallel ranks."""
+    ckpt, ref = reference
+    case = {"ckpt": {"dir": str(tmp_path), "resume": str(ckpt / "step_00000002")},
+            "steps": STEPS - 2}
+    (result,) = _probe(2, {}, [case], tmp_path / "probe.json")
+    _close_to_reference(result["losses"], ref[2:])
+
+
+def test_resume_under_tp2_needs_the_fully_reshardable_format(
+        reference: Any, tmp_path: Path) -> None:
+    ckpt, ref = reference
+    full = tmp_path / "full"
+    cfg = {"dir": str(full), "save_interval": 2, "optimizer_format": "fully_reshardable"}
+    _ok(_run(1, _args(tmp_path / "a.json", cfg, steps=2)))
+    cases = [{"ckpt": {"dir": str(tmp_path), "resume": str(ckpt / "step_00000002")}},
+             {"ckpt": {"dir": str(tmp_path), "resume": str(full / "step_00000002")},
+              "steps": STEPS - 2}]
+    refused, resharded = _probe(2, {"tp": 2}, cases, tmp_path / "probe.json")
+    assert "dp_reshardable format at TP1 PP1 VPP1 EP1 ETP1" in refused["error"]
+    assert "this run has TP2" in refused["error"]
+    assert "optimizer_format=fully_reshardable" in refused["error"]
+    _close_to_reference(resharded["losses"], ref[2:])
 
 
 def test_ep2_optimizer_resume_refused_weights_only_works(reference: Any, tmp_path: Path) -> None:
@@ -164,11 +199,19 @@ def _tamper(src: Path, dst: Path, how: str) -> Path:
         data = bytearray(state.read_bytes())
         data[len(data) // 2] ^= 1
         state.write_bytes(bytes(data))
+    elif how == "flip-tensor":  # a byte inside one of the shards' tensors
+        shard = max((dst / "dist").glob("*.distcp"), key=lambda p: p.stat().st_size)
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 1
+        shard.write_bytes(bytes(data))
     elif how == "no-data":
         state = json.loads((dst / "state.json").read_text())
         del state["extra"]["data"]
-        (dst / "state.json").write_text(json.dumps(state))
-        write_manifest(dst)  # a consistent checkpoint that simply lacks the state
+        manifest = json.loads((dst / MANIFEST).read_text())
+        # a consistent checkpoint that simply lacks the state
+        manifest["files"]["state.json"] = write_file(dst / "state.json",
+                                                     json.dumps(state).encode())
+        write_manifest(dst, manifest["files"])
     return dst
 
 
@@ -183,6 +226,7 @@ def test_refusals_and_overrides(reference: Any, tmp_path: Path) -> None:
     changed_arch = {"router_topk_scaling_factor": 2.0}
     cases = [
         case(_tamper(good, tmp_path / "flip", "flip")),
+        case(_tamper(good, tmp_path / "flip-tensor", "flip-tensor")),
         case(_tamper(good, tmp_path / "nodata", "no-data")),
         case(good, require=["data", "rl"]),
         case(good, seed=4),
@@ -193,8 +237,11 @@ def test_refusals_and_overrides(reference: Any, tmp_path: Path) -> None:
     ]
     out = tmp_path / "probe.json"
     _ok(_run(1, ["probe", "--cases", json.dumps(cases), "--out", str(out)]))
-    flip, nodata, no_rl, data, model, data_ok, model_ok, exact = json.loads(out.read_text())
+    flip, flip_tensor, nodata, no_rl, data, model, data_ok, model_ok, exact = json.loads(
+        out.read_text())
     assert "rng/rank_00000.json: sha256 differs" in flip["error"]
+    assert re.search(r"dist/__0_0\.distcp: the \d+ bytes at offset \d+ differ from the "
+                     "digest recorded when they were written", flip_tensor["error"])
     assert "lacks the data state" in nodata["error"]
     assert "lacks the rl state" in no_rl["error"]
     assert "different data" in data["error"] and "allow_changed_data=true" in data["error"]

@@ -11,6 +11,11 @@ what resumes; up to three rounds of generation a step), every RL step trains.
 On CPU with one thread per process every stage is deterministic (rollouts are
 seeded per step and sample), so a run killed after a checkpoint and resumed
 must log exactly the uninterrupted run's metrics, timings aside.
+
+Start-up copies no model: the reference model and the rollout servers' first version
+are read where the weights are (the SFT output; on resume the checkpoint's model part),
+so neither run writes a reference copy or a version of the weights before its first
+step, which the tests count in bytes.
 """
 
 from __future__ import annotations
@@ -111,6 +116,19 @@ def _rows(run: Path) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
 
+def _bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def _startup_copies(run: Path, first_step: int) -> int:
+    """Bytes of the model copies a start-up used to write: the reference model and the
+    weight version the servers start from."""
+    return (_bytes(run / "checkpoints" / "reference")
+            + _bytes(run / "weights" / f"v{first_step:06d}"))
+
+
 def _rl_state(run: Path, step: int) -> dict[str, Any]:
     state = json.loads((run / "checkpoints" / f"step_{step:08d}" / "state.json").read_text())
     rl: dict[str, Any] = state["extra"]["rl"]
@@ -127,6 +145,8 @@ def reference(data: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path
     steps = [r for r in _rows(run) if "train/loss" in r]
     assert [r["step"] for r in steps] == list(range(STEPS))
     assert all(r["train/tokens"] > 0 and r["rollout/informative_groups"] > 0 for r in steps)
+    assert _startup_copies(run, 0) == 0
+    assert _rl_state(run, 2)["reference"] == {"weights": str((run / "sft").resolve())}
     return run
 
 
@@ -142,9 +162,12 @@ def test_sigkill_after_a_checkpoint_then_resume_is_exact(
     assert code not in (0, REQUEUE_EXIT_CODE), text[-3000:]
     assert _latest(run) == "step_00000002"
 
+    assert _startup_copies(run, 0) == 0
     code, text = _finish(*_start(run, f"rl.steps={STEPS}", *data))  # the same command
     assert code == 0, text[-4000:]
     assert "resumed from" in text and "step_00000002" in text
+    # What a start-up copy would have weighed: the model part of a checkpoint.
+    assert _startup_copies(run, 2) == 0 < _bytes(run / "checkpoints" / "step_00000002" / "dist")
     assert "SFT: loss" not in text  # the checkpoint holds the policy after SFT
     assert _rows(run) == _rows(reference)  # losses, rewards, KL to the reference, evals
     for step in (2, STEPS):  # the same prompts were taken, in the same order

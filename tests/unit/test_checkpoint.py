@@ -3,6 +3,7 @@ cleanup, JSON state, RNG states, fingerprints and the stop-signal flag."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -21,7 +22,8 @@ from moerl.checkpoint.config import (
     check_json,
     fingerprint,
 )
-from moerl.checkpoint.manifest import MANIFEST, verify_manifest, write_manifest
+from moerl.checkpoint.digests import HashingWriter, entry_of, write_file
+from moerl.checkpoint.manifest import MANIFEST, read_verified, verify_manifest, write_manifest
 from moerl.checkpoint.rng import capture_rng, restore_rng
 from moerl.checkpoint.sharded import check_optimizer_compatible
 from moerl.checkpoint.store import (
@@ -39,9 +41,9 @@ def _checkpoint(root: Path, step: int, latest: bool = True) -> Path:
     """A complete checkpoint directory, published the way a save does it."""
     tmp = partial_dir(root, step)
     (tmp / "dist").mkdir(parents=True, exist_ok=True)
-    (tmp / "dist" / "__0_0.distcp").write_bytes(os.urandom(4096))
-    (tmp / "state.json").write_text(json.dumps({"step": step}))
-    write_manifest(tmp)
+    files = {"dist/__0_0.distcp": write_file(tmp / "dist" / "__0_0.distcp", os.urandom(4096)),
+             "state.json": write_file(tmp / "state.json", json.dumps({"step": step}).encode())}
+    write_manifest(tmp, files)
     final = root / step_name(step)
     if latest:
         publish(tmp, final)
@@ -51,7 +53,10 @@ def _checkpoint(root: Path, step: int, latest: bool = True) -> Path:
 
 
 def test_manifest_accepts_the_written_checkpoint(tmp_path: Path) -> None:
-    verify_manifest(_checkpoint(tmp_path, 1))
+    path = _checkpoint(tmp_path, 1)
+    files = verify_manifest(path)
+    assert sorted(files) == ["dist/__0_0.distcp", "state.json"]
+    assert json.loads(read_verified(path, "state.json", files)) == {"step": 1}
 
 
 @pytest.mark.parametrize(
@@ -65,6 +70,8 @@ def test_manifest_accepts_the_written_checkpoint(tmp_path: Path) -> None:
     ],
 )
 def test_damaged_checkpoint_is_refused(tmp_path: Path, damage: str, message: str) -> None:
+    """Structure fails `verify_manifest` (sizes and names, no file read); a flipped
+    byte fails the read of that file."""
     path = _checkpoint(tmp_path, 1)
     shard = path / "dist" / "__0_0.distcp"
     if damage == "truncate":
@@ -80,7 +87,21 @@ def test_damaged_checkpoint_is_refused(tmp_path: Path, damage: str, message: str
     else:
         (path / MANIFEST).unlink()
     with pytest.raises(CheckpointError, match=message):
-        verify_manifest(path)
+        read_verified(path, "dist/__0_0.distcp", verify_manifest(path))
+
+
+def test_hashing_writer_digests_what_reaches_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    with path.open("wb") as raw:
+        stream = HashingWriter(raw)
+        stream.write(b"head")
+        stream.begin_item()
+        stream.write(memoryview(bytearray(range(200))))
+        item = stream.end_item()
+        stream.write(b"tail")
+    data = path.read_bytes()
+    assert stream.entry() == entry_of(data)
+    assert item == hashlib.sha256(data[4:204]).hexdigest()
 
 
 def test_publish_moves_latest_only_after_the_rename(tmp_path: Path) -> None:
@@ -151,13 +172,28 @@ def test_rng_round_trip_through_json() -> None:
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
 
 
+def _facts(kind: str = "distributed", fmt: str = "dp_reshardable", **degrees: int) -> dict:
+    layout = {"tp": 1, "pp": 1, "vpp": 1, "ep": 1, "etp": 1, **degrees}
+    return {"kind": kind, "ep": layout["ep"], "step": 3, "format": fmt, "layout": layout}
+
+
 def test_optimizer_changes_megatron_cannot_reshard_are_refused() -> None:
-    check_optimizer_compatible({"kind": "distributed", "ep": 2}, {"kind": "distributed", "ep": 4})
+    full = "fully_reshardable"
+    check_optimizer_compatible(_facts(fmt=full, ep=2), _facts(ep=4))
+    check_optimizer_compatible(_facts(fmt=full, tp=2), _facts(tp=1, pp=2))
+    check_optimizer_compatible(_facts(tp=2, ep=2), _facts(tp=2, ep=2))  # any DP, CP
+    check_optimizer_compatible(_facts("plain", tp=2), _facts("plain", pp=2))
     with pytest.raises(CheckpointError, match=r"EP=1.*weights_only=true"):
-        check_optimizer_compatible({"kind": "distributed", "ep": 1},
-                                   {"kind": "distributed", "ep": 2})
+        check_optimizer_compatible(_facts(fmt=full), _facts(ep=2))
     with pytest.raises(CheckpointError, match=r"plain.*use_distributed_optimizer"):
-        check_optimizer_compatible({"kind": "distributed", "ep": 1}, {"kind": "plain", "ep": 1})
+        check_optimizer_compatible(_facts(), _facts("plain"))
+    for change in ({"tp": 2}, {"pp": 2}, {"vpp": 2}, {"ep": 4}, {"etp": 2}):
+        with pytest.raises(CheckpointError, match=(
+                r"dp_reshardable format at TP1 PP1 VPP1 EP2 ETP1 .* data and context "
+                r"parallelism only.*weights_only=true.*optimizer_format=fully_reshardable")):
+            check_optimizer_compatible(_facts(ep=2), _facts(**{"ep": 2, **change}))
+    legacy = {k: v for k, v in _facts(fmt=full, tp=2).items() if k not in ("format", "layout")}
+    check_optimizer_compatible(legacy, _facts(tp=1))  # written before formats were recorded
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
@@ -231,3 +267,22 @@ def test_materialized_adam_state_is_the_state_a_first_step_starts_from() -> None
         opt.step()
     assert torch.equal(params[0].detach(), params[1].detach())
     assert float(fresh.state[params[0]]["step"]) == float(saved.state[params[1]]["step"]) == 1
+
+
+def test_a_save_is_due_after_interval_minutes_of_wall_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from moerl.checkpoint import checkpointer
+
+    now = [1000.0]
+    monkeypatch.setattr(checkpointer, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    cfg = CheckpointConfig(dir=str(tmp_path), save_interval=10, interval_minutes=30)
+    ckpt = Checkpointer(cfg, Fingerprints("m", "d", "c"))
+    now[0] += 29 * 60
+    assert not ckpt.should_save(7)
+    assert ckpt.should_save(10)  # the step interval still counts
+    now[0] += 61
+    assert ckpt.should_save(11)
+    with pytest.raises(ValueError, match="interval_minutes"):
+        CheckpointConfig(dir="x", interval_minutes=-1)

@@ -130,7 +130,7 @@ def test_synchronize() -> None:
 
 
 def test_optimizer_state_gather() -> None:
-    from moerl.checkpoint.sharded import OPTIM_METADATA
+    from moerl.checkpoint.sharded import optimizer_metadata
     from moerl.models.arch import TINY
     from moerl.models.build import build_model
     from moerl.models.weights import sharded_model_state
@@ -149,12 +149,34 @@ def test_optimizer_state_gather() -> None:
 
     def state() -> object:
         model = sharded_model_state(list(trainable.model))
-        return trainable.optimizer.sharded_state_dict(model, metadata=OPTIM_METADATA)
+        return trainable.optimizer.sharded_state_dict(
+            model, metadata=optimizer_metadata("fully_reshardable"))
 
     with shim_disabled("optimizer_state_gather"), pytest.raises(
             (RuntimeError, AssertionError, torch.AcceleratorError)):
         state()
     assert state()
+
+
+def test_parallel_load_exchange() -> None:
+    from megatron.core.dist_checkpointing import ShardedTensor, exchange_utils
+    from megatron.core.dist_checkpointing.exchange_utils import ShardDistribution
+
+    # A fully parallel load: this rank read a tensor another rank needs too, and
+    # broadcasts it (over a one-rank group here, which is what one process can show;
+    # the resume tests run the exchange on several ranks).
+    read = ("a", (0,), (1,))
+    metadata = {read: ShardedTensor.from_rank_offsets("a", torch.zeros(3)).without_data()}
+    distribution = ShardDistribution({read: 0}, {read}, metadata, {read: [0, 1]})
+
+    def exchange() -> dict[object, torch.Tensor]:
+        out: dict[object, torch.Tensor] = exchange_utils.exchange_by_distribution(
+            {read: torch.arange(3.0)}, {}, distribution, None, "broadcast")
+        return out
+
+    with shim_disabled("parallel_load_exchange"), pytest.raises(RuntimeError):
+        exchange()
+    assert exchange()[read].tolist() == [0.0, 1.0, 2.0]
 
 
 def test_checkpoint_rng() -> None:

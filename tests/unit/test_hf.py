@@ -17,7 +17,9 @@ from megatron.core.transformer.moe import moe_logging
 
 from moerl.models.arch import DEEPSEEK_V3, KIMI_K2, MOONLIGHT_16B_A3B, TINY, ArchError, MoEArch
 from moerl.models.build import build_model
-from moerl.models.hf import dequantize_blocks, export_hf, gather_megatron, import_hf
+from moerl.models.hf import export_hf, gather_megatron
+from moerl.models.hf_files import HFCheckpoint, dequantize_blocks
+from moerl.models.hf_import import import_hf
 from moerl.models.hf_mapping import (
     arch_from_hf_config,
     hf_config_from_arch,
@@ -62,6 +64,28 @@ def test_fp8_blocks_dequantise() -> None:
     assert torch.equal(got[3:, 2:], weight[3:, 2:] * 7)
 
 
+def test_fp8_blocks_are_read_and_dequantised_by_slice(tmp_path: Path) -> None:
+    """A slice of an FP8 weight, whose edges cut through its 128 x 128 blocks, reads
+    only its bytes and the scales covering it, and equals the whole tensor dequantised
+    then sliced."""
+    from safetensors.torch import save_file
+
+    weight = torch.randn(300, 260).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 3) + 0.5  # blocks of 128 x 128, the last ones partial
+    save_file({"w": weight, "w_scale_inv": scale, "norm": torch.randn(260)},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    ckpt = HFCheckpoint(tmp_path)
+    part = ckpt.read("w", slice(100, 250), slice(130, 200))
+    assert torch.equal(part, dequantize_blocks(weight, scale)[100:250, 130:200])
+    assert ckpt.bytes_read == 150 * 70 + 2 * 1 * 4  # fp8 bytes, then scale rows 0-1, col 1
+    assert torch.equal(ckpt.read("norm", slice(5, 9)), ckpt("norm")[5:9])
+    # DeepSeek-V3's kv_a_proj_with_mqa: 576 rows in five 128-row blocks, the last half full.
+    whole = torch.randn(576, 8)
+    blocks = dequantize_blocks(whole, torch.arange(1.0, 6.0).reshape(5, 1))
+    assert torch.equal(blocks[512:], whole[512:] * 5) and torch.equal(blocks[:128], whole[:128])
+
+
 @pytest.mark.usefixtures("single_process")
 @pytest.mark.parametrize("rope_interleave", [True, False])
 def test_import_matches_transformers_and_round_trips(rope_interleave: bool,
@@ -73,7 +97,7 @@ def test_import_matches_transformers_and_round_trips(rope_interleave: bool,
     with torch.no_grad():
         want = DeepseekV3ForCausalLM.from_pretrained(hf_dir).eval()(WORKER.tokens()).logits
     moe_logging.destroy_moe_metrics_tracker()
-    arch, chunks = import_hf(hf_dir, ParallelLayout())
+    arch, chunks, _ = import_hf(hf_dir, ParallelLayout())
     got = WORKER.megatron_logits(chunks[0], WORKER.tokens())
     diff = (got - want).abs().max().item()
     print(f"rope_interleave={rope_interleave}: max |megatron - transformers| logit {diff:.2e}")
@@ -87,6 +111,31 @@ def test_import_matches_transformers_and_round_trips(rope_interleave: bool,
     assert all(torch.equal(after[k], before[k]) for k in before)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert arch_from_hf_config(config, name=arch.name) == arch
+
+
+@pytest.mark.usefixtures("single_process")
+def test_import_builds_the_model_at_the_dtype_asked(tmp_path: Path) -> None:
+    """dtype=bfloat16: every matrix is built in bf16 (norms and the router bias as
+    Megatron's local spec keeps them), every tensor equals the float32 import rounded;
+    another dtype is refused naming it."""
+    from moerl.models.hf import local_tensors
+    from moerl.models.hf_files import HFError
+    from moerl.models.hf_import import weights_precision
+
+    hf_dir = WORKER.tiny_hf_checkpoint(tmp_path / "hf")
+    moe_logging.destroy_moe_metrics_tracker()
+    arch, fp32, _ = import_hf(hf_dir, ParallelLayout())
+    moe_logging.destroy_moe_metrics_tracker()
+    _, bf16, _ = import_hf(hf_dir, ParallelLayout(), torch.bfloat16)
+    want = dict(local_tensors(fp32[0], arch))
+    got = dict(local_tensors(bf16[0], arch))
+    assert sorted(got) == sorted(want)
+    matrices = [k for k in got if got[k].dim() == 2]
+    assert len(matrices) > len(got) // 2
+    assert all(got[k].dtype == torch.bfloat16 for k in matrices)
+    assert all(torch.equal(got[k], want[k].to(got[k].dtype)) for k in got)
+    with pytest.raises(HFError, match=r"dtype=torch\.float16"):
+        weights_precision(torch.float16)
 
 
 @pytest.mark.usefixtures("single_process")
@@ -167,7 +216,7 @@ def test_yarn_import_matches_transformers(case: str, tmp_path: Path) -> None:
     with torch.no_grad():
         want = DeepseekV3ForCausalLM.from_pretrained(hf_dir).eval()(WORKER.tokens()).logits
     moe_logging.destroy_moe_metrics_tracker()
-    arch, chunks = import_hf(hf_dir, ParallelLayout())
+    arch, chunks, _ = import_hf(hf_dir, ParallelLayout())
     assert arch.rope_scaling == "yarn" and arch.yarn_factor == 4.0
     got = WORKER.megatron_logits(chunks[0], WORKER.tokens())
     diff = (got - want).abs().max().item()

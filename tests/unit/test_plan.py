@@ -175,6 +175,18 @@ def test_cli_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
     out = json.loads(capsys.readouterr().out)
     assert out["fitting"] > 0 and out["best"][0]["fits"]
     assert set(out["best"][0]["memory_gib"]) >= {"weights", "main_grads", "activations", "total"}
+    # One save of the tiny model: 2.5M parameters x (2 + 4 + 8) bytes at 50 GB/s.
+    save = out["checkpoint"]
+    assert save["write_gbps"] == 50 and 30e6 < save["bytes"] < 40e6
+    assert save["seconds"] == pytest.approx(save["bytes"] / 50e9)
+    assert save["interval_minutes"] == 30
+
+
+def test_cli_plan_shows_the_save_of_each_h100_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "model=kimi-k2", "cluster.nodes=160", "rollout.nodes=32",
+                 "run.precision=fp8", "cluster.checkpoint_write_gbps=100"]) == 0
+    assert ("one checkpoint: 13.35 TB (weights, fp32 master, Adam moments), 133 s at "
+            "100 GB/s") in capsys.readouterr().out
 
 
 def test_the_jobs_gpu_nodes_are_trainer_plus_rollout() -> None:

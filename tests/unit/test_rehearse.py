@@ -37,6 +37,15 @@ def test_kimi_k2_recipe_fits_and_agrees_with_its_plan() -> None:
         24 * 4096 * 61 * kv_bytes_per_token_layer(KIMI_K2, 8))
     # FP8 primary weights reach the rollout ranks: 31.5 GiB a GPU at TP8/EP32.
     assert 30 * GiB < rollout.built["weights"] < 33 * GiB
+    assert result.checkpoint.startswith("checkpoint: one save 13.35 TB")
+    assert "267 s at 50 GB/s" in result.checkpoint and "SIGUSR1 600 s" in result.checkpoint
+
+
+def test_a_sigusr1_lead_shorter_than_a_step_and_a_save_is_refused() -> None:
+    result = rehearse([KIMI, "cluster.signal_seconds=200"], only="rollout")
+    (refusal,) = [p for p in result.refusals if "signal_seconds" in p]
+    assert refusal.startswith("cluster.signal_seconds=200: SIGUSR1 comes 200 s before")
+    assert "13.35 TB" in refusal
 
 
 def test_bf16_rollout_at_tp1_ep32_is_refused_naming_rank_and_term() -> None:

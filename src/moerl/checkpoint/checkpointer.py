@@ -1,7 +1,8 @@
 """Checkpoints a run can resume from exactly, after any kill.
 
-A checkpoint holds the model and optimizer (Megatron `dist_checkpointing`,
-resharded on load, see `moerl.checkpoint.sharded`), the LR schedule, the step,
+A checkpoint holds the model and optimizer (Megatron `dist_checkpointing`, each rank
+writing and reading its own shard, resharded on load where Megatron can: see
+`moerl.checkpoint.sharded` and `moerl.checkpoint.tensor_files`), the LR schedule, the step,
 the same three of each named part (another trainable of the run, such as the RL
 critic: its tensors' keys start with `<name>.`, its facts are in state.json's `parts`),
 every rank's RNG states, the caller's extra state (data-loader position, RL state:
@@ -9,15 +10,19 @@ pending rollouts, weight versions of buffered samples, reward-cache keys; JSON,
 never pickle) and fingerprints of the model, the dataset and the config.
 
 Saving is atomic (`moerl.checkpoint.store`): every rank writes into a
-temporary directory, the ranks agree that all writes succeeded, the files are
-hashed into a manifest, the directory is renamed into place and only then does
+temporary directory, hashing every byte on its way out (`checkpoint.digests`: no file
+is read back), the ranks agree that all writes succeeded, rank 0 writes the manifest
+from every rank's digests, the directory is renamed into place and only then does
 `latest` move. A failure on any rank fails the save on every rank and leaves
-`latest` where it was. Loading verifies the manifest first: a truncated or
-modified checkpoint is refused, never half-used.
+`latest` where it was. Loading checks the manifest's sizes first, and every byte it
+reads against its digest (a rank checks what it reads): a truncated or modified
+checkpoint is refused, never half-used.
 
-With `async_save` the tensors are written by megatron-core's own background
-writer (a forked process per rank; it works on CPU with the CPU shims) and the
-checkpoint is published when `poll()` or `wait()` finds every rank done.
+With `async_save` each rank copies its shard and a thread writes it while training
+goes on (`checkpoint.async_writer`); the checkpoint is published when `poll()` or
+`wait()` finds every rank's write done, and a new save first waits for the one in
+flight, so at most one is. A kill before the publication leaves the previous
+checkpoint as `latest`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -33,14 +39,18 @@ from pathlib import Path
 from typing import Any
 
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelSaveStrategyWrapper,
+)
 
+from moerl.checkpoint.async_writer import ThreadCallsQueue
 from moerl.checkpoint.collective import (
     FAULT_ENV,
     agree,
     barrier,
     broadcast,
     fault,
+    gather_to_first,
     rank,
     world,
 )
@@ -51,13 +61,15 @@ from moerl.checkpoint.config import (
     Json,
     check_json,
 )
-from moerl.checkpoint.manifest import verify_manifest, write_manifest
+from moerl.checkpoint.digest_write import DigestingSaveStrategy
+from moerl.checkpoint.digests import Entry, write_file
+from moerl.checkpoint.manifest import read_verified, verify_manifest, write_manifest
 from moerl.checkpoint.rng import capture_rng, restore_rng
 from moerl.checkpoint.sharded import (
     apply_loaded,
     check_optimizer_compatible,
     optimizer_facts,
-    sharded_state,
+    saved_format,
 )
 from moerl.checkpoint.store import (
     cleanup,
@@ -68,14 +80,21 @@ from moerl.checkpoint.store import (
     remove_stale_partials,
     step_name,
 )
+from moerl.checkpoint.tensor_files import (
+    load_tensors,
+    save_strategy,
+    sharded_parts,
+    tensor_entries,
+)
 from moerl.checkpoint.trainable import Trainable
+from moerl.models.weights_marker import MARKER as WEIGHTS_MARKER
 from moerl.signals import StopOnSignal, start_helpers_ignoring
 
 __all__ = ["FAULT_ENV", "CheckpointConfig", "CheckpointError", "Checkpointer", "Fingerprints",
            "Resumed"]
 
 STATE = "state.json"
-DIST = "dist"
+DIST = "dist"  # the tensors; with WEIGHTS_MARKER, also a weights directory of the model
 
 
 @dataclass(frozen=True)
@@ -95,10 +114,19 @@ class Checkpointer:
         self.cfg = cfg
         self.root = Path(cfg.dir)
         self.fingerprints = fingerprints
-        self._async = AsyncCallsQueue() if cfg.async_save else None
+        self._async = ThreadCallsQueue() if cfg.async_save else None
+        self._strategy: FullyParallelSaveStrategyWrapper | None = None
+        self._last_save = time.monotonic()  # or the start: interval_minutes counts from it
 
     def should_save(self, step: int) -> bool:
-        return self.cfg.save_interval > 0 and step % self.cfg.save_interval == 0
+        """Due after `step` by the step interval, or by `interval_minutes` of wall time
+        since the last save (rank 0's clock decides for all: collective when set)."""
+        if self.cfg.save_interval > 0 and step % self.cfg.save_interval == 0:
+            return True
+        if self.cfg.interval_minutes <= 0:
+            return False
+        late = time.monotonic() - self._last_save >= self.cfg.interval_minutes * 60
+        return bool(broadcast(late))
 
     # -- saving ---------------------------------------------------------------
 
@@ -112,6 +140,7 @@ class Checkpointer:
         """
         parts = _checked_parts(parts)
         self.wait()  # one save in flight at a time: `latest` moves in step order
+        self._last_save = time.monotonic()
         final = self.root / step_name(step)
         if broadcast(final.exists() and read_latest(self.root) == final):
             return final  # resumed at the last step: nothing new to save
@@ -122,55 +151,63 @@ class Checkpointer:
             remove_stale_partials(self.root)
             (tmp / DIST).mkdir(parents=True)
         barrier()
-        error = None
+        error, digests = None, {}
         try:
-            self._write_plain_state(tmp, step, trainable, extra_state, parts)
+            digests = self._write_plain_state(tmp, step, trainable, extra_state, parts)
         except Exception as err:
             error = f"rank {rank()}: {err!r}"
         self._fail_cleanly(error, tmp, "checkpoint save (step state)")
         request = None
+        strategy = save_strategy(staged=self._async is not None)
+        self._strategy = strategy
         start_helpers_ignoring()  # the writer's helper, started cheaply and bound to us
         try:
             request = dist_checkpointing.save(
-                _sharded(trainable, parts, with_optimizer=True, loading=False),
+                sharded_parts(trainable, parts, with_optimizer=True, loading=False,
+                         fmt=self.cfg.optimizer_format),
                 str(tmp / DIST),
+                sharded_strategy=strategy,
                 async_sharded_save=self._async is not None,
                 async_strategy="mcore",
             )
         except Exception as err:
             error = f"rank {rank()}: {err!r}"
         self._fail_cleanly(error, tmp, "checkpoint save (tensors)")
+        finish = partial(self._finish, tmp, final, step, digests, strategy)
         if self._async is not None and request is not None:
-            request.add_finalize_fn(partial(self._finish, tmp, final, step))
+            request.add_finalize_fn(finish)
             self._async.schedule_async_request(request)
         else:
-            self._finish(tmp, final, step)
+            finish()
         return final
 
     def _write_plain_state(
         self, tmp: Path, step: int, trainable: Trainable, extra_state: Mapping[str, Any],
         parts: Mapping[str, Trainable],
-    ) -> None:
-        rng_dir = tmp / "rng"
-        rng_dir.mkdir(exist_ok=True)
-        (rng_dir / f"rank_{rank():05d}.json").write_text(json.dumps(capture_rng()))
+    ) -> dict[str, Entry]:
+        """This rank's RNG (and on rank 0 the step state); their manifest entries."""
+        rng = f"rng/rank_{rank():05d}.json"
+        (tmp / "rng").mkdir(exist_ok=True)
+        written = {rng: write_file(tmp / rng, json.dumps(capture_rng()).encode())}
         fault("write", step)
         if rank() != 0:
-            return
+            return written
         check_json(dict(extra_state), "extra_state")
+        fmt = self.cfg.optimizer_format
         state = {
             "format": 1,
             "step": step,
             "world_size": world(),
             "fingerprints": vars(self.fingerprints),
-            "optimizer": optimizer_facts(trainable),
+            "optimizer": optimizer_facts(trainable, fmt),
             "scheduler": trainable.scheduler.state_dict(),
-            "parts": {name: {"optimizer": optimizer_facts(part),
+            "parts": {name: {"optimizer": optimizer_facts(part, fmt),
                              "scheduler": part.scheduler.state_dict()}
                       for name, part in parts.items()},
             "extra": dict(extra_state),
         }
-        (tmp / STATE).write_text(json.dumps(state, indent=1, allow_nan=False))
+        text = json.dumps(state, indent=1, allow_nan=False)
+        return {**written, STATE: write_file(tmp / STATE, text.encode())}
 
     def _fail_cleanly(self, error: str | None, tmp: Path, what: str) -> None:
         try:
@@ -180,21 +217,27 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def _finish(self, tmp: Path, final: Path, step: int) -> None:
-        """Verify, hash, rename, move `latest`, clean up (every rank, after the writes)."""
+    def _finish(self, tmp: Path, final: Path, step: int, digests: dict[str, Entry],
+                strategy: FullyParallelSaveStrategyWrapper) -> None:
+        """Manifest from every rank's digests, rename, move `latest`, clean up (every
+        rank, once every rank's writes are complete)."""
         error = None
         try:
             fault("tensors", step)
+            mine = {**digests, **tensor_entries(strategy, DIST)}
+            if rank() == 0:  # the model part is a weights directory a rollout server reads
+                mine[f"{DIST}/{WEIGHTS_MARKER}"] = write_file(tmp / DIST / WEIGHTS_MARKER,
+                                                              b"ok\n")
+            files = gather_to_first(mine)
             if rank() == 0:
-                expected = [tmp / STATE, tmp / DIST / "metadata.json"]
-                expected += [tmp / "rng" / f"rank_{r:05d}.json" for r in range(world())]
-                missing = [str(p.relative_to(tmp)) for p in expected if not p.is_file()]
-                if missing:
+                expected = {STATE, f"{DIST}/metadata.json", f"{DIST}/.metadata"}
+                expected |= {f"rng/rank_{r:05d}.json" for r in range(world())}
+                if missing := sorted(expected - set(files)):
                     raise CheckpointError(f"written checkpoint lacks {missing}")
+                write_manifest(tmp, files)
         except Exception as err:
             error = f"rank {rank()}: {err!r}"
-        self._fail_cleanly(error, tmp, "checkpoint save (verify)")
-        write_manifest(tmp)
+        self._fail_cleanly(error, tmp, "checkpoint save (manifest)")
         fault("manifest", step)
         if rank() == 0:
             publish(tmp, final)
@@ -206,6 +249,18 @@ class Checkpointer:
         """Publish async saves that every rank has finished writing (collective)."""
         if self._async is not None:
             self._async.maybe_finalize_async_calls(blocking=False)
+
+    def writing(self) -> bool:
+        """Is this rank's write of an asynchronous save still running? (its own answer:
+        the save is published once every rank's is done, at a `poll()` or `wait()`)"""
+        return self._async is not None and self._async.writing()
+
+    def last_staged_bytes(self) -> int:
+        """The host copy the last asynchronous save of this rank took (0: none)."""
+        if self._strategy is None:
+            return 0
+        base = self._strategy.base_strategy
+        return base.staged_bytes() if isinstance(base, DigestingSaveStrategy) else 0
 
     def wait(self) -> None:
         """Block until any async save is written and published (collective)."""
@@ -245,8 +300,8 @@ class Checkpointer:
         path = self.resolve()
         if path is None:
             return None
-        verify_manifest(path)
-        state = json.loads((path / STATE).read_text())
+        files = verify_manifest(path)  # sizes; each read below checks its own bytes
+        state = json.loads(read_verified(path, STATE, files))
         self._check_compatible(path, state, require)
         saved = state.get("parts", {})
         if missing := [name for name in parts if name not in saved]:
@@ -255,26 +310,37 @@ class Checkpointer:
                 "this run cannot continue from it exactly; resume with the saving run's "
                 "settings, or start fresh with checkpoint.resume=none")
         with_optimizer = not self.cfg.weights_only
+        fmt = saved_format(state["optimizer"])  # each part is saved in the same one
         if with_optimizer:
-            check_optimizer_compatible(state["optimizer"], optimizer_facts(trainable))
+            ours = self.cfg.optimizer_format
+            check_optimizer_compatible(state["optimizer"], optimizer_facts(trainable, ours))
             for name, part in parts.items():
-                check_optimizer_compatible(saved[name]["optimizer"], optimizer_facts(part))
-        template = _sharded(trainable, parts, with_optimizer=with_optimizer, loading=True)
-        loaded = dist_checkpointing.load(template, str(path / DIST))
-        apply_loaded(trainable, loaded, with_optimizer, int(state["optimizer"]["step"]))
+                check_optimizer_compatible(saved[name]["optimizer"], optimizer_facts(part, ours))
+        template = sharded_parts(trainable, parts, with_optimizer=with_optimizer, loading=True,
+                            fmt=fmt)
+        loaded = load_tensors(template, path / DIST, files)
+        apply_loaded(trainable, loaded, with_optimizer, int(state["optimizer"]["step"]), fmt)
         trainable.scheduler.load_state_dict(state["scheduler"])
         for name, part in parts.items():
             apply_loaded(part, loaded[name], with_optimizer,
-                         int(saved[name]["optimizer"]["step"]), prefix=f"{name}.")
+                         int(saved[name]["optimizer"]["step"]), fmt, prefix=f"{name}.")
             part.scheduler.load_state_dict(saved[name]["scheduler"])
         # Ranks keep their own random streams; under a new world size rank r
         # continues saved rank r % old_world's (no exact match exists then).
         saved_rank = rank() % int(state["world_size"])
-        restore_rng(json.loads((path / "rng" / f"rank_{saved_rank:05d}.json").read_text()))
+        restore_rng(json.loads(read_verified(path, f"rng/rank_{saved_rank:05d}.json", files)))
         if rank() == 0:
             how = "weights only" if self.cfg.weights_only else "model + optimizer"
             print(f"resumed from {path} at step {state['step']} ({how})", file=sys.stderr)
         return Resumed(int(state["step"]), path, state["extra"], self.cfg.weights_only)
+
+    def saved_extra(self, path: Path) -> dict[str, Json]:
+        """The caller's extra state saved in checkpoint `path`, read before anything is
+        built for it ({} for a checkpoint without one; `load` verifies it)."""
+        if not (path / STATE).is_file():
+            return {}
+        extra: dict[str, Json] = json.loads((path / STATE).read_text()).get("extra", {})
+        return extra
 
     def check_compatible(self, path: Path, require: tuple[str, ...] = ("data",)) -> None:
         """Refuse `path` for a changed model or dataset before anything is built for it
@@ -332,13 +398,3 @@ def _checked_parts(parts: Mapping[str, Trainable] | None) -> dict[str, Trainable
             raise ValueError(f"checkpoint part {name!r}: needs an identifier that does not "
                              "start with 'model' or 'optimizer'")
     return parts
-
-
-def _sharded(trainable: Trainable, parts: Mapping[str, Trainable], *, with_optimizer: bool,
-             loading: bool) -> dict[str, Any]:
-    """The sharded state of `trainable`, with each part's under its name (keys prefixed)."""
-    state = sharded_state(trainable, with_optimizer=with_optimizer, loading=loading)
-    for name, part in parts.items():
-        state[name] = sharded_state(part, with_optimizer=with_optimizer, loading=loading,
-                                    prefix=f"{name}.")
-    return state

@@ -55,3 +55,13 @@ def broadcast(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def gather_to_first(entries: dict[str, Any]) -> dict[str, Any]:
+    """Every rank's dict (small: file names and digests), merged on rank 0 ({}
+    elsewhere)."""
+    if world() == 1:
+        return dict(entries)
+    parts: list[Any] = [None] * world() if rank() == 0 else []
+    dist.gather_object(entries, parts if rank() == 0 else None, dst=0)
+    return {k: v for part in parts for k, v in part.items()}

@@ -27,11 +27,19 @@ class CheckpointConfig:
     """Root holding `step_XXXXXXXX/` checkpoints and the `latest` pointer; None: off."""
     save_interval: int = 0
     """Save every this many optimizer steps (0: only at the end and on a stop signal)."""
+    interval_minutes: float = 0.0
+    """Also save after a step that ends this many minutes of wall time after the last
+    save (or the start); 0: off. `planning.checkpoint_time` plans it for a recipe."""
     keep_last: int = 2
     """Complete checkpoints kept; older ones are deleted after each save (0: keep all)."""
     async_save: bool = False
     """Write tensors in a background process while training goes on (megatron-core's
     own async writer); the checkpoint becomes `latest` once every rank has finished."""
+    optimizer_format: str = "dp_reshardable"
+    """How the distributed optimizer's state is saved: "dp_reshardable" (each rank
+    writes its own shard as it holds it; a resume may change DP and CP only) or
+    "fully_reshardable" (each state in its parameter's shape, gathered per parameter
+    at save time; a resume may also change TP, PP and EP>1). `checkpoint.sharded`."""
     resume: str = "auto"
     """"auto": continue from `latest` if there is one; "none": start fresh; else a
     checkpoint directory to start from."""
@@ -47,10 +55,16 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.save_interval < 0:
             raise ValueError(f"checkpoint.save_interval: must be >= 0, got {self.save_interval}")
+        if self.interval_minutes < 0:
+            raise ValueError(f"checkpoint.interval_minutes: must be >= 0 (0: off), got "
+                             f"{self.interval_minutes}")
         if self.keep_last < 0:
             raise ValueError(f"checkpoint.keep_last: must be >= 0, got {self.keep_last}")
         if not self.resume:
             raise ValueError('checkpoint.resume: "auto", "none" or a checkpoint directory')
+        if self.optimizer_format not in ("dp_reshardable", "fully_reshardable"):
+            raise ValueError(f"checkpoint.optimizer_format: {self.optimizer_format!r}; choose "
+                             "dp_reshardable (the default) or fully_reshardable")
 
     @property
     def enabled(self) -> bool:

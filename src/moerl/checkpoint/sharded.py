@@ -2,13 +2,26 @@
 
 Model tensors are stored by global name and offset, so they load under any
 TP/PP/VPP/EP layout (the same state dict as `moerl.models.weights`, whose files
-this part of a checkpoint is). Optimizer state uses the distributed optimizer's
-"fully_reshardable" format, which stores every Adam moment in the shape of its
-parameter, and keeps the chained optimizer free of per-layout prefixes: it
-reshards across TP, PP, DP and EP>1 changes. Megatron cannot map it across
-EP=1 <-> EP>1 (the expert parameters move to a second optimizer) or between the
-distributed and the plain optimizer; `check_optimizer_compatible` refuses those
-with the fix named instead of failing deep inside the load.
+this part of a checkpoint is).
+
+The distributed optimizer's state is saved in one of two Megatron formats
+(`checkpoint.optimizer_format`):
+
+- "dp_reshardable" (the default, Megatron-LM's): each rank's shard of the fp32
+  master weights and Adam moments as the flat bucket slices it holds, written
+  as they are, with no gather and no copy. It reshards across data (and context)
+  parallelism only: TP, PP, VPP, EP and expert-TP must be the saving run's.
+- "fully_reshardable": every moment in the shape of its parameter, which
+  reshards across TP, PP, DP and EP>1 changes, but the save gathers each
+  parameter's state on its first data-parallel rank (host memory that grows
+  with the model, not with the rank's shard): a save to take once, before a
+  layout change.
+
+Neither maps across EP=1 <-> EP>1 (the expert parameters move to a second
+optimizer) or between the distributed and the plain optimizer (whose state
+Megatron keys by parameter, under any TP/PP). `check_optimizer_compatible`
+refuses what cannot be loaded, naming the way out, instead of failing deep
+inside the load.
 """
 
 from __future__ import annotations
@@ -17,22 +30,44 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from moerl.checkpoint.config import CheckpointError
 from moerl.checkpoint.trainable import Trainable
 from moerl.models.weights import sharded_model_state, unwrap_model
 
-OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
-                  "chained_optim_avoid_prefix": True}
+OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
+# What checkpoints written before the format was recorded hold.
+_LEGACY_FORMAT = "fully_reshardable"
+
+
+def optimizer_metadata(fmt: str) -> dict[str, Any]:
+    """Megatron's `sharded_state_dict` metadata for optimizer format `fmt`."""
+    if fmt not in OPTIMIZER_FORMATS:
+        raise ValueError(f"checkpoint.optimizer_format: {fmt!r}; choose one of "
+                         f"{', '.join(OPTIMIZER_FORMATS)}")
+    return {"distrib_optim_sharding_type": fmt, "chained_optim_avoid_prefix": True}
+
+
+def model_parallel_layout() -> dict[str, int]:
+    """The degrees a dp_reshardable optimizer checkpoint is tied to."""
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
+    }
 
 
 def _parts(optimizer: Any) -> list[Any]:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def optimizer_facts(trainable: Trainable) -> dict[str, Any]:
-    """What decides whether saved optimizer state can be loaded into this one."""
+def optimizer_facts(trainable: Trainable, fmt: str) -> dict[str, Any]:
+    """What decides whether saved optimizer state can be loaded into this one
+    (`fmt`: the format this run saves in)."""
     parts = _parts(trainable.optimizer)
     distributed = any(isinstance(p, DistributedOptimizer) for p in parts)
     steps = [int(s["step"]) for p in parts if p.optimizer is not None
@@ -41,7 +76,17 @@ def optimizer_facts(trainable: Trainable) -> dict[str, Any]:
         "kind": "distributed" if distributed else "plain",
         "ep": ps.get_expert_model_parallel_world_size(),
         "step": max(steps, default=0),  # Adam's bias-correction count
+        "format": fmt,
+        "layout": model_parallel_layout(),
     }
+
+
+def saved_format(saved: dict[str, Any]) -> str:
+    return str(saved.get("format", _LEGACY_FORMAT))
+
+
+def _describe(layout: dict[str, int]) -> str:
+    return " ".join(f"{k.upper()}{v}" for k, v in layout.items())
 
 
 def check_optimizer_compatible(saved: dict[str, Any], now: dict[str, Any]) -> None:
@@ -60,6 +105,18 @@ def check_optimizer_compatible(saved: dict[str, Any], now: dict[str, Any]) -> No
             f"optimizer state was saved at EP={saved['ep']} and this run has "
             f"EP={now['ep']}; megatron-core reshards optimizer state between EP>1 layouts "
             f"but not between EP=1 and EP>1. {fix}"
+        )
+    layout = saved.get("layout")
+    if (now["kind"] == "distributed" and saved_format(saved) == "dp_reshardable"
+            and layout is not None and layout != now["layout"]):
+        raise CheckpointError(
+            f"optimizer state was saved in Megatron's dp_reshardable format at "
+            f"{_describe(layout)} and this run has {_describe(now['layout'])}; that format "
+            "reshards across data and context parallelism only. Resume at the saved TP, PP, "
+            "VPP, EP and expert-TP (any DP), or with checkpoint.weights_only=true to start "
+            "the optimizer fresh; to carry the optimizer across the change, save once at the "
+            "old layout with checkpoint.optimizer_format=fully_reshardable, then resume "
+            "from that checkpoint."
         )
 
 
@@ -97,7 +154,7 @@ def _materialize_adam_state(optimizer: Any) -> None:
                     inner.state[p]["step"] = 0
 
 
-def _load_optimizer_part(part: Any, state: dict[str, Any], step: int) -> None:
+def _load_optimizer_part(part: Any, state: dict[str, Any], step: int, fmt: str) -> None:
     """Load one (non-chained) Megatron optimizer from the tensors of `state`.
 
     Three things go wrong with torch's Adam (no Apex/TE) if this is left to
@@ -111,6 +168,7 @@ def _load_optimizer_part(part: Any, state: dict[str, Any], step: int) -> None:
     parts does (TP1 has one, TP2 a dense and an expert one). So the param groups
     are this optimizer's own, the step is the saved one, the moments load with
     `step` set aside, and each parameter gets its own `step` tensor back.
+    (dp_reshardable does not store `step` either: its template keeps the local one.)
     """
     if not isinstance(part, DistributedOptimizer):
         part.load_state_dict(state)
@@ -121,8 +179,20 @@ def _load_optimizer_part(part: Any, state: dict[str, Any], step: int) -> None:
         part.load_state_dict(own)  # param groups and step; moments below
         inner = part.optimizer.state
         steps = {p: s.pop("step") for p, s in inner.items() if "step" in s}
-        # The moments, as requested by the fully_reshardable template of this layout.
-        part.load_parameter_state_from_fully_reshardable(state["param_state"])
+        # The moments, as requested by this layout's template in the saved format.
+        if fmt == "dp_reshardable":
+            try:
+                # fp32 models: the main params are views of the (leaf) weights
+                with torch.no_grad():
+                    part.load_parameter_state_from_dp_reshardable(state["param_state"])
+            except AssertionError as err:  # Megatron's check of the bucket sizes
+                raise CheckpointError(
+                    f"optimizer state does not fit this run's distributed-optimizer buckets "
+                    f"({err}); the model or its parallel layout differs from the saving "
+                    "run's. Resume with checkpoint.weights_only=true, or at the saved "
+                    "layout") from err
+        else:
+            part.load_parameter_state_from_fully_reshardable(state["param_state"])
         for p, shared in steps.items():
             inner[p]["step"] = shared
     for per_param in part.optimizer.state.values():
@@ -130,10 +200,10 @@ def _load_optimizer_part(part: Any, state: dict[str, Any], step: int) -> None:
             per_param["step"] = per_param["step"].detach().clone()
 
 
-def _load_optimizer(optimizer: Any, state: Any, step: int) -> None:
+def _load_optimizer(optimizer: Any, state: Any, step: int, fmt: str) -> None:
     parts = _parts(optimizer)
     if len(parts) == 1:
-        _load_optimizer_part(parts[0], state, step)
+        _load_optimizer_part(parts[0], state, step, fmt)
         return
     if not all(isinstance(p, DistributedOptimizer) for p in parts) or any(
         i not in state for i in range(len(parts))
@@ -144,30 +214,35 @@ def _load_optimizer(optimizer: Any, state: Any, step: int) -> None:
         )
     for i, part in enumerate(parts):
         # The tensors were loaded into this layout's structure (one entry per part).
-        _load_optimizer_part(part, state[i], step)
+        _load_optimizer_part(part, state[i], step, fmt)
     optimizer._synchronize_steps()
 
 
 def sharded_state(trainable: Trainable, *, with_optimizer: bool, loading: bool,
-                  prefix: str = "") -> dict[str, Any]:
-    """The sharded state dict of the model chunks and, if asked, their optimizer.
+                  fmt: str, prefix: str = "") -> dict[str, Any]:
+    """The sharded state dict of the model chunks and, if asked, their optimizer in
+    format `fmt` (`OPTIMIZER_FORMATS`).
 
     `prefix` starts every key of the model's tensors (and so of its optimizer state,
     which is keyed by them): a second trainable in the same checkpoint (a critic) needs
-    one, as its parameters have the same names as the policy's."""
+    one, as its parameters have the same names as the policy's. dp_reshardable keys
+    hold no parameter names, so a part's optimizer state needs the prefix added."""
     chunks: list[torch.nn.Module] = list(trainable.model)
     state = sharded_model_state(chunks, prefix)
     if with_optimizer:
         _materialize_adam_state(trainable.optimizer)  # no-op once Adam has stepped
         # On CPU the state gather runs through the `optimizer_state_gather` shim.
-        state["optimizer"] = trainable.optimizer.sharded_state_dict(
-            dict(state), is_loading=loading, metadata=OPTIM_METADATA)
+        optimizer = trainable.optimizer.sharded_state_dict(
+            dict(state), is_loading=loading, metadata=optimizer_metadata(fmt))
+        if prefix and fmt == "dp_reshardable":
+            add_prefix_for_sharding(optimizer, prefix)
+        state["optimizer"] = optimizer
     return state
 
 
 def apply_loaded(
     trainable: Trainable, loaded: dict[str, Any], with_optimizer: bool, step: int,
-    prefix: str = "",
+    fmt: str, prefix: str = "",
 ) -> None:
     """Put a `dist_checkpointing.load` result (of `sharded_state` with `prefix`) into the
     model (and optimizer)."""
@@ -177,7 +252,7 @@ def apply_loaded(
         state = {name.removeprefix(prefix): t for name, t in loaded[key].items()}
         unwrap_model(chunk).load_state_dict(state, strict=True)
     if with_optimizer:
-        _load_optimizer(trainable.optimizer, loaded["optimizer"], step)
+        _load_optimizer(trainable.optimizer, loaded["optimizer"], step, fmt)
     else:
         # Weights only: the optimizer keeps fp32 main copies of the parameters
         # (distributed optimizer); refresh them from the weights just loaded.

@@ -16,7 +16,8 @@ import re
 import shutil
 from pathlib import Path
 
-from moerl.checkpoint.manifest import MANIFEST, fsync_dir, fsync_file
+from moerl.checkpoint.digests import write_file
+from moerl.checkpoint.manifest import MANIFEST, fsync_dir
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -62,8 +63,7 @@ def publish(partial: Path, final: Path) -> None:
     os.replace(partial, final)
     fsync_dir(final.parent)
     tmp = final.parent / f".{LATEST}.tmp"
-    tmp.write_text(final.name + "\n")
-    fsync_file(tmp)
+    write_file(tmp, (final.name + "\n").encode())
     os.replace(tmp, final.parent / LATEST)
     fsync_dir(final.parent)
 

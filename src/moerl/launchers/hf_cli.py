@@ -21,13 +21,9 @@ from moerl.config import MODEL_FILE
 from moerl.data.tokenizer import TOKENIZER_FILES
 from moerl.models.arch import get_preset
 from moerl.models.build import build_model
-from moerl.models.hf import (
-    HF_CONFIG_COPY,
-    HFCheckpoint,
-    HFError,
-    export_hf,
-    import_hf,
-)
+from moerl.models.hf import HF_CONFIG_COPY, export_hf
+from moerl.models.hf_files import HFCheckpoint, HFError
+from moerl.models.hf_import import import_hf, weights_precision
 from moerl.models.hf_mapping import arch_from_hf_config, hf_config_from_arch
 from moerl.models.weights import load_weights, save_weights
 from moerl.parallel.groups import destroy_parallel, init_parallel
@@ -55,9 +51,11 @@ def parse_overrides(items: list[str]) -> tuple[ParallelLayout, dict[str, str]]:
 
 
 _USAGE = """usage:
-  moerl hf import <hf_dir> <megatron_weights_dir> [tp=N pp=N ep=N ...]
+  moerl hf import <hf_dir> <megatron_weights_dir> [tp=N pp=N ep=N ...] [dtype=bfloat16]
   moerl hf export <megatron_weights_dir> <hf_out_dir> [model=<preset|hf_dir>] [dtype=bfloat16]
-Run under torchrun for a layout with more than one rank."""
+Run under torchrun for a layout with more than one rank: each rank reads only its
+slices of the Hugging Face files (import) and writes its own files (export).
+import dtype: of the weights written (float32, the default, or bfloat16)."""
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
@@ -70,6 +68,20 @@ def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
     return copied
 
 
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise HFError(f"dtype={name}: not a torch dtype (bfloat16, float32)")
+    return dtype
+
+
+def _gathered(value: int) -> list[int]:
+    """`value` of every rank (small: one number each)."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return [int(v) for v in out]
+
+
 def hf_main(argv: list[str]) -> int:
     """`moerl hf import|export ...`; returns the exit code."""
     if len(argv) < 3 or argv[0] not in ("import", "export"):
@@ -80,7 +92,9 @@ def hf_main(argv: list[str]) -> int:
     init_parallel(layout)
     try:
         if command == "import":
-            arch, chunks = import_hf(src, layout)
+            import_dtype = _dtype(other.get("dtype", "float32"))
+            arch, chunks, reader = import_hf(src, layout, import_dtype)
+            read = _gathered(reader.bytes_read)
             save_weights(chunks, dst)
             if dist.get_rank() == 0:  # what export needs: the arch as imported (MTP or not)
                 config = hf_config_from_arch(arch, HFCheckpoint(src).config)
@@ -91,7 +105,10 @@ def hf_main(argv: list[str]) -> int:
                 if copied:  # the weights dir is then also the run's tokenizer.path
                     print(f"tokenizer: {', '.join(copied)} copied; tokenizer=hf "
                           f"tokenizer.path={dst}")
-            print(f"imported {arch.name} ({arch.num_layers} layers) into {dst}")
+                print(f"imported {arch.name} ({arch.num_layers} layers) into {dst} at "
+                      f"{import_dtype}; read {sum(read)} bytes of tensors "
+                      f"({sum(read) / 1e9:.3f} GB), at most {max(read)} on one of "
+                      f"{len(read)} rank(s)")
             return 0
         model = other.get("model", str(Path(src) / HF_CONFIG_COPY))
         base: dict[str, Any] | None = None
@@ -101,11 +118,15 @@ def hf_main(argv: list[str]) -> int:
             arch = arch_from_hf_config(base)
         else:
             arch = get_preset(model)
-        chunks = list(build_model(arch, layout, qk_layernorm=True))
+        dtype = _dtype(other["dtype"]) if "dtype" in other else None
+        # Built at the written dtype where it can be: a bf16 export holds half the bytes.
+        precision = (weights_precision(dtype)
+                     if dtype in (torch.float32, torch.bfloat16) else None)
+        chunks = list(build_model(arch, layout, qk_layernorm=True, precision=precision))
         load_weights(chunks, src)
-        dtype = getattr(torch, other["dtype"]) if "dtype" in other else None
         export_hf(chunks, arch, dst, base_config=base, dtype=dtype)
-        print(f"exported {arch.name} to {dst}")
+        if dist.get_rank() == 0:
+            print(f"exported {arch.name} to {dst}")
         return 0
     finally:
         destroy_parallel()

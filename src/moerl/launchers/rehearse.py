@@ -42,6 +42,7 @@ from moerl.launchers.recipes import (
     run_plan,
     trainer_overrides,
 )
+from moerl.launchers.save_cadence import cadence_problems, checkpoint_line
 from moerl.planning.memory import RunSettings, memory_breakdown, rank_memory
 from moerl.planning.plan import SearchSettings
 from moerl.planning.rollout_fit import RolloutSettings, engine_rank_terms
@@ -61,6 +62,7 @@ class Rehearsal:
     recipe: Recipe
     problems: list[str] = field(default_factory=list)  # of the job as a whole
     ranks: list[Rehearsed] = field(default_factory=list)
+    checkpoint: str = ""  # one save and the SIGUSR1 lead (`launchers.save_cadence`)
 
     @property
     def refusals(self) -> list[str]:
@@ -227,6 +229,8 @@ def rehearse(overrides: list[str], only: str | None = None, busiest: bool = Fals
     cfg = compose_here([*trainer_overrides(recipe, site), *extra])
     run, differences = planned_run(recipe, cfg)
     result.problems += differences + _run_checks(recipe, cfg, run)
+    result.problems += cadence_problems(cfg, None)
+    result.checkpoint = checkpoint_line(cfg)
     budget = recipe.gpu_memory_gb * GiB * (1 - SearchSettings().safety_margin)
     if only in (None, "trainer"):
         result.ranks += _trainer_ranks(cfg, run, budget, busiest)
@@ -249,6 +253,8 @@ def rehearse_main(overrides: list[str], only: str | None, busiest: bool) -> int:
         if ranks:
             nodes = recipe.trainer_nodes if stage == "trainer" else recipe.rollout_nodes
             console.print(stage_table(ranks, f"{stage}: {nodes} x {recipe.gpus_per_node} GPUs"))
+    if result.checkpoint:
+        console.print(result.checkpoint, markup=False)
     for problem in result.refusals:
         console.print(f"refused: {problem}", markup=False)
     if not result.refusals:

@@ -20,7 +20,9 @@ from rich.console import Console
 
 from moerl.config import RunConfig, config_dir, load_run_config
 from moerl.launchers.plan import RunLayout, build_run_plan
+from moerl.launchers.save_cadence import check_save_cadence
 from moerl.launchers.stages import RunPlan
+from moerl.observability import METRICS_FILE
 from moerl.rendezvous import REQUEUE_EXIT_CODE
 from moerl.typed_config import to_dict
 
@@ -48,6 +50,7 @@ def run_train(overrides: list[str], dry_run: bool = False) -> int:
     if cfg.launcher.kind == "local":  # the stages run on this machine: check it has what they ask
         check_precision_at_start(cfg.precision, cfg.recompute)
         check_tokenizer_at_start(cfg.tokenizer, cfg.model.vocab_size)
+    check_save_cadence(cfg, Path(cfg.run_dir).resolve() / METRICS_FILE)
     root, arch_file = _prepare_run_dir(cfg)
     plan = build_run_plan(root, overrides, cfg.launcher, cfg.rollout, cfg.rewards, arch_file,
                           config_dir=config_dir().resolve(), precision=cfg.precision,
@@ -101,7 +104,9 @@ def run_trainer(overrides: list[str]) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = load_run_config(overrides, world_size=world)
     check_precision_at_start(cfg.precision, cfg.recompute)  # on the node that computes
-    return trainer_main(cfg, RunLayout(Path(cfg.run_dir).resolve()))
+    dirs = RunLayout(Path(cfg.run_dir).resolve())
+    check_save_cadence(cfg, dirs.root / METRICS_FILE)  # a requeued job: its steps measured
+    return trainer_main(cfg, dirs)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from moerl.launchers.plan import RunLayout
 from moerl.models.features import resolve_precision
 from moerl.models.precision import RecomputeConfig, ResolvedPrecision
 from moerl.models.weights import save_weights
+from moerl.models.weights_marker import is_complete
 from moerl.observability import MetricsLogger, read_metrics
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
 from moerl.rendezvous import ENV_RENDEZVOUS, read_endpoints, request_requeue
@@ -104,14 +105,26 @@ def summary_table(metrics_file: Path) -> Table:
     return table
 
 
-def _checkpoints(cfg: RunConfig, records: list[PromptRecord],
-                 held_out: list[PromptRecord]) -> RLCheckpoints | None:
-    """The run's checkpoints; a resume is refused when the model or the data changed."""
+def _checkpoints(cfg: RunConfig, records: list[PromptRecord], held_out: list[PromptRecord],
+                 start: str | Path | None) -> RLCheckpoints | None:
+    """The run's checkpoints; a resume is refused when the model or the data changed.
+    `start`: the weights a fresh start's policy (and reference) are read from."""
     if not cfg.checkpoint.enabled:
         return None
     data = {"train": records, "held_out": held_out, "order_seed": cfg.data.seed}
     run = {"rl": cfg.rl, "optim": cfg.optim, "sft": cfg.sft}  # recorded, may change
-    return RLCheckpoints(cfg.checkpoint, Fingerprints.of(cfg.model, data, run))
+    return RLCheckpoints(cfg.checkpoint, Fingerprints.of(cfg.model, data, run), start,
+                         seed=cfg.rl.seed, layout=cfg.parallel.describe())
+
+
+def _first_version(ckpt: RLCheckpoints | None, start: str | Path | None) -> Path | None:
+    """The weights directory the servers' first version already is: the resumed
+    checkpoint's model part, or the weights a fresh start read (None: a fresh model,
+    which exists nowhere on disk)."""
+    found = ckpt.found() if ckpt is not None else None
+    if found is not None:
+        return found / "dist" if is_complete(found / "dist") else None
+    return Path(start) if start is not None else None
 
 
 def trainer_main(cfg: RunConfig, dirs: RunLayout) -> int:
@@ -152,20 +165,24 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
         cfg.data, {"terminal": terminal_source(cfg.rl.agent)},
         tokens=lambda record: len(encode_prompt(tok, record.prompt, record.messages)))
     check_reward_names(records + held_out, cfg.rewards)
-    ckpt = _checkpoints(cfg, records, held_out)
-    # A checkpoint holds the policy after SFT and RL: no SFT again on resume.
+    start = dirs.sft_weights if cfg.sft.steps else cfg.init_weights
+    ckpt = _checkpoints(cfg, records, held_out, start)
+    # A checkpoint holds the policy after SFT and RL: no SFT again on resume, and the
+    # policy's weights are read from the checkpoint alone. The reference model is read
+    # where the run's initial weights are (nothing is copied at start-up).
     resuming = ckpt is not None and ckpt.found() is not None
-    weights = (sft_phase(cfg, groups, tok, records, dirs.sft_weights)
-               if cfg.sft.steps and not resuming else cfg.init_weights)
-    policy = build_policy(cfg, groups, weights, ckpt.reference_weights() if ckpt else None,
+    if cfg.sft.steps and not resuming:
+        sft_phase(cfg, groups, tok, records, dirs.sft_weights)
+    policy = build_policy(cfg, groups, None if resuming else start,
+                          ckpt.reference_weights() if ckpt else None,
                           resolve_precision(cfg.precision), cfg.recompute)
     state = ckpt.load(policy) if ckpt else None
-    start = state.next_step if state else 0
+    first = state.next_step if state else 0
     ctl = _controller(cfg, dirs.root, records, held_out, tok) if groups.rank == 0 else None
     if ctl is not None:
         if state is not None:
             ctl.prompts.restore(state.prompts, strict=not cfg.checkpoint.allow_changed_data)
-        ctl.logger.drop_from(start)  # rows a killed attempt logged after its checkpoint
+        ctl.logger.drop_from(first)  # rows a killed attempt logged after its checkpoint
         if cfg.rl.task_source == "agent":  # terminal episodes, not prompts
             from moerl.rl.agent_collect import build_agent_collector
 
@@ -190,10 +207,11 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
                              staging_bytes=cfg.rl.weight_sync_staging_bytes,
                              timeout_s=cfg.rl.weight_sync_timeout_s,
                              server_ranks=cfg.rollout.tensor_parallel
-                             * cfg.rollout.pipeline_parallel)
-    sync.push(policy, start)  # the servers start from the trainer's (resumed) weights
+                             * cfg.rollout.pipeline_parallel,
+                             initial=_first_version(ckpt, start))
+    sync.push(policy, first)  # the servers start from the trainer's (resumed) weights
     on_step_end = ckpt.step_end_hook(policy, stop, cfg.rl.steps) if ckpt else None
-    stopped = train(cfg.rl, policy, sync, ctl, start_step=start, on_step_end=on_step_end)
+    stopped = train(cfg.rl, policy, sync, ctl, start_step=first, on_step_end=on_step_end)
     if ckpt is not None:
         ckpt.close()
     if stopped:

@@ -1,15 +1,21 @@
-"""Hugging Face checkpoints of the DeepSeek-V3 family in and out of the Megatron model.
+"""Hugging Face checkpoints of the DeepSeek-V3 family in and out of the Megatron model:
+what both directions share, and the export.
 
-`import_hf` builds the model for a layout and fills each rank's shard from the HF
-safetensors; `export_hf` gathers the shards to rank 0 and writes safetensors and
-`config.json`. Names and conversions are in `models.hf_mapping`.
+Megatron names are global (`local_tensors`); a tensor-parallel shard is cut and
+joined as Megatron cuts it (`tp_split`, `shard`, `unshard`). The import, each rank
+reading only its slices of the safetensors files, is `models.hf_import`; the file
+reader, `models.hf_files`. Names and conversions are in `models.hf_mapping`.
 
-Memory: on import each rank reads only the tensors its chunks hold (its pipeline
-stages, its experts), but a tensor-parallel rank reads a whole tensor and keeps its
-slice; on export every tensor passes through rank 0. Both are fine up to a few
-billion parameters; a 1T import should read per-shard slices (`safe_open.get_slice`)
-and a 1T export should write one file per rank plus an index, which this module's
-structure allows but does not do yet.
+`export_hf` writes from every rank at once, nothing gathered to one rank: each tensor
+of the model is written by one of the ranks holding it (a replicated one by one of its
+replicas, spread over them; a tensor-parallel one joined within its tensor-parallel
+group, one tensor at a time, by one of its members), each writer rank to a file of its
+own, and rank 0 writes `model.safetensors.index.json` (which file holds which tensor)
+and `config.json` from the names alone. So a rank holds at most its share of the
+model's tensors, and the files are written in parallel.
+
+`gather_megatron` (the whole model on rank 0), `hf_tensors` and `write_safetensors`
+serve a model one process holds whole (tests, benchmarks' initial weights).
 
 The project's own adapter rather than megatron-bridge: megatron-bridge 0.6.2 does
 not import without Transformer Engine, which does not install on CPU machines.
@@ -18,6 +24,7 @@ not import without Transformer Engine, which does not install on CPU machines.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,65 +35,23 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from moerl.models.arch import MoEArch
-from moerl.models.build import build_model
+from moerl.models.hf_files import HFError
 from moerl.models.hf_mapping import (
     Rule,
-    arch_from_hf_config,
     hf_config_from_arch,
     megatron_to_hf,
+    mtp_copies,
     rules,
-    to_megatron,
+    to_hf,
 )
-from moerl.parallel.layout import ParallelLayout
 
 HF_CONFIG_COPY = "hf_config.json"  # written beside imported Megatron weights
-_SHARD_BYTES = 4 << 30
+INDEX = "model.safetensors.index.json"
 _DECODER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
-
-class HFError(ValueError):
-    """A checkpoint or model that cannot be converted; the message says why."""
-
-
-class HFCheckpoint:
-    """Lazy reader of an HF checkpoint directory (one or many safetensors files).
-
-    Block-quantised FP8 weights (DeepSeek-V3 and Kimi-K2 ship them, with a
-    `<name>_scale_inv` per 128 x 128 block) are dequantised to float32 on read.
-    """
-
-    def __init__(self, directory: str | Path) -> None:
-        self.dir = Path(directory)
-        self.config: dict[str, Any] = json.loads((self.dir / "config.json").read_text())
-        files = sorted(self.dir.glob("*.safetensors"))
-        if not files:
-            raise HFError(f"{self.dir}: no *.safetensors files")
-        from safetensors import safe_open  # the hf extra; the shard helpers below need none
-
-        self._files = [safe_open(str(f), framework="pt") for f in files]
-        self._where = {k: f for f in self._files for k in f.keys()}  # noqa: SIM118
-
-    def keys(self) -> list[str]:
-        return sorted(self._where)
-
-    def __call__(self, name: str) -> torch.Tensor:
-        if name not in self._where:
-            raise HFError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
-        tensor = self._where[name].get_tensor(name)
-        scale_name = name + "_scale_inv"
-        if scale_name in self._where:
-            tensor = dequantize_blocks(tensor, self._where[scale_name].get_tensor(scale_name))
-        return tensor
-
-
-def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """FP8 weight [r, c] with one scale per block ([ceil(r/br), ceil(c/bc)]) -> float32."""
-    rows, cols = weight.shape
-    block_r = -(-rows // scale_inv.shape[0])
-    block_c = -(-cols // scale_inv.shape[1])
-    scale = scale_inv.float().repeat_interleave(block_r, 0).repeat_interleave(block_c, 1)
-    return weight.float() * scale[:rows, :cols]
+__all__ = ["HF_CONFIG_COPY", "HFError", "cast_hf", "export_hf", "gather_megatron", "hf_config",
+           "hf_tensors", "is_glu", "local_tensors", "shard", "tp_split", "write_safetensors"]
 
 
 def _unwrap(chunk: torch.nn.Module) -> Any:
@@ -165,38 +130,6 @@ def _unshard(name: str, local: torch.Tensor, copy: bool = True) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
-def load_hf_into(chunks: list[torch.nn.Module], arch: MoEArch, ckpt: HFCheckpoint) -> None:
-    """Fill this rank's shards of `chunks` from the HF checkpoint."""
-    by_name: dict[str, Rule] = {r.megatron: r for r in rules(arch)}
-    interleave = bool(ckpt.config.get("rope_interleave", True))
-    with torch.no_grad():
-        for chunk in chunks:
-            for name, local in local_tensors(chunk, arch):
-                if name not in by_name:
-                    raise HFError(f"Megatron tensor {name} has no HF counterpart; build the "
-                                  "model with qk_layernorm=True for the DeepSeek-V3 family")
-                full = to_megatron(by_name[name], ckpt, arch, interleave)
-                part = shard(name, full, local)
-                if part.shape != local.shape:
-                    raise HFError(f"{name}: HF gives {tuple(part.shape)} for this rank, the "
-                                  f"model holds {tuple(local.shape)}")
-                local.copy_(part)
-
-
-def import_hf(hf_dir: str | Path, layout: ParallelLayout, **build: Any) -> tuple[
-        MoEArch, list[torch.nn.Module]]:
-    """Build the model for `layout` (process groups must exist) and load the checkpoint."""
-    ckpt = HFCheckpoint(hf_dir)
-    arch = arch_from_hf_config(ckpt.config, name=Path(hf_dir).name)
-    present = set(ckpt.keys())
-    if arch.mtp_num_layers and f"model.layers.{arch.num_layers}.eh_proj.weight" not in present:
-        # transformers drops MTP layers when it saves; the main model is complete.
-        arch = arch.replace(mtp_num_layers=0)
-    chunks: list[torch.nn.Module] = list(build_model(arch, layout, qk_layernorm=True, **build))
-    load_hf_into(chunks, arch, ckpt)
-    return arch, chunks
-
-
 def gather_megatron(chunks: list[torch.nn.Module], arch: MoEArch,
                     copy: bool = True) -> dict[str, torch.Tensor]:
     """The whole Megatron state dict (global names) on rank 0; {} on other ranks.
@@ -219,32 +152,6 @@ def gather_megatron(chunks: list[torch.nn.Module], arch: MoEArch,
     return {k: v for part in gathered for k, v in part.items()}
 
 
-def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: Path) -> None:
-    """Files of at most ~4 GiB each, with the index transformers reads for many files."""
-    from safetensors.torch import save_file
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(tensors):
-        tensor = tensors[name].contiguous()
-        if shards[-1] and size + tensor.nbytes > _SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += tensor.nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map: dict[str, str] = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-             "weight_map": weight_map}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-
 def cast_hf(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """An HF tensor in the exported `dtype` (None: as it is); the router bias stays
     float32."""
@@ -259,10 +166,122 @@ def hf_config(arch: MoEArch, base_config: dict[str, Any] | None = None) -> dict[
     return hf_config_from_arch(arch, base)
 
 
+_FILE_BYTES = 4 << 30  # a writer starts a new file past this
+
+
+def _replicas(expert: bool) -> tuple[int, int, int, int]:
+    """(replicas, this replica, group size, rank in it): the ranks that hold the same
+    tensor, and the tensor-parallel group its shards are joined in."""
+    if expert:
+        return (ps.get_expert_data_parallel_world_size(), ps.get_expert_data_parallel_rank(),
+                ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank())
+    return (ps.get_data_parallel_world_size(with_context_parallel=True),
+            ps.get_data_parallel_rank(with_context_parallel=True),
+            ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank())
+
+
+def _assigned(chunks: list[torch.nn.Module], arch: MoEArch, interleave: bool,
+              dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors this rank writes: of the tensors it holds, the k-th goes to replica
+    k mod replicas, and within that replica's tensor-parallel group (which joins it:
+    a collective of the group, so every member takes the same turns) to member
+    (k // replicas) mod group size."""
+    by_name: dict[str, Rule] = {r.megatron: r for r in rules(arch)}
+    copies: dict[str, list[str]] = {}
+    for hf_name, meg in mtp_copies(arch).items():
+        copies.setdefault(meg, []).append(hf_name)
+    later_stage = not ps.is_pipeline_first_stage(ignore_virtual=True)
+    k = 0
+    for chunk in chunks:
+        for name, local in local_tensors(chunk, arch):
+            if later_stage and name == "embedding.word_embeddings.weight":
+                continue  # the last stage's copy of the tied embedding: the first writes it
+            replicas, replica, group, member = _replicas(".experts.local_experts." in name)
+            k += 1
+            if (k - 1) % replicas != replica:
+                continue
+            full = _unshard(name, local)
+            if ((k - 1) // replicas) % group != member:
+                continue
+            for hf_name, tensor in to_hf(by_name[name], full, arch, interleave).items():
+                yield hf_name, cast_hf(hf_name, tensor.contiguous(), dtype)
+            for hf_name in copies.get(name, ()):
+                yield hf_name, cast_hf(hf_name, full, dtype)
+
+
+def _write_parts(tensors: Iterator[tuple[str, torch.Tensor]], out: Path, stem: str
+                 ) -> dict[str, tuple[str, int]]:
+    """`tensors` into files `<stem>-NNN.safetensors` of about `_FILE_BYTES` each;
+    {tensor name: (file, bytes)}."""
+    from safetensors.torch import save_file  # the hf extra; the shard helpers need none
+
+    written: dict[str, tuple[str, int]] = {}
+    part: dict[str, torch.Tensor] = {}
+
+    def flush() -> None:
+        file = f"{stem}-{len({f for f, _ in written.values()}):03d}.safetensors"
+        save_file(part, str(out / file), metadata={"format": "pt"})
+        written.update({name: (file, t.nbytes) for name, t in part.items()})
+        part.clear()
+
+    for name, tensor in tensors:
+        if part and sum(t.nbytes for t in part.values()) + tensor.nbytes > _FILE_BYTES:
+            flush()
+        part[name] = tensor
+    if part:
+        flush()
+    return written
+
+
+def export_hf(chunks: list[torch.nn.Module], arch: MoEArch, out_dir: str | Path, *,
+              base_config: dict[str, Any] | None = None, dtype: torch.dtype | None = None) -> None:
+    """Write the model as an HF checkpoint from every rank (each writes its assigned
+    tensors to files of its own; every rank must call this; see the module docstring).
+
+    `base_config`: the imported checkpoint's config.json, whose fields the arch does
+    not describe (token ids, rope_interleave) are kept. `dtype`: of the written weights
+    (default: the model's); the router bias stays float32.
+    """
+    config = hf_config(arch, base_config)
+    out = Path(out_dir)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = _assigned(chunks, arch, bool(config.get("rope_interleave", True)), dtype)
+    written = _write_parts(tensors, out, f"model-rank{rank:05d}")
+    everyone: list[Any] = [written]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size() if rank == 0 else []
+        dist.gather_object(written, everyone if rank == 0 else None, dst=0)  # names only
+    if rank == 0:
+        _write_index(everyone, out)
+        config["dtype"] = str(dtype or next(chunks[0].parameters()).dtype).removeprefix("torch.")
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _write_index(written: list[dict[str, tuple[str, int]]], out: Path) -> None:
+    """The index of every rank's files; a single file is named model.safetensors, as a
+    reader without the index expects."""
+    weight_map: dict[str, str] = {}
+    for part in written:
+        for name, (file, _) in part.items():
+            if name in weight_map:
+                raise HFError(f"export: {name} was written twice ({weight_map[name]}, {file})")
+            weight_map[name] = file
+    files = sorted(set(weight_map.values()))
+    if len(files) == 1:
+        os.replace(out / files[0], out / "model.safetensors")
+        return
+    total = sum(size for part in written for _, size in part.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX).write_text(json.dumps(index, indent=2))
+
+
 def hf_tensors(meg: dict[str, torch.Tensor], arch: MoEArch,
                base_config: dict[str, Any] | None = None, dtype: torch.dtype | None = None,
                ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The gathered Megatron tensors (`gather_megatron`) in Hugging Face names and
+    """Whole Megatron tensors (`gather_megatron`, one process) in Hugging Face names and
     `dtype` (the router bias stays float32), and the config.json they go with."""
     config = hf_config(arch, base_config)
     tensors = megatron_to_hf(meg, arch, bool(config.get("rope_interleave", True)))
@@ -271,22 +290,8 @@ def hf_tensors(meg: dict[str, torch.Tensor], arch: MoEArch,
     return tensors, config
 
 
-def export_hf(chunks: list[torch.nn.Module], arch: MoEArch, out_dir: str | Path, *,
-              base_config: dict[str, Any] | None = None, dtype: torch.dtype | None = None) -> None:
-    """Write the model as an HF checkpoint (rank 0 writes; every rank must call this).
-
-    `base_config`: the imported checkpoint's config.json, whose fields the arch does
-    not describe (token ids, rope_interleave) are kept. `dtype`: of
-    the written weights (default: the model's); the router bias stays float32.
-    """
-    meg = gather_megatron(chunks, arch)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        dist.barrier()
-        return
-    tensors, config = hf_tensors(meg, arch, base_config, dtype)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(tensors, out)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if dist.is_initialized():
-        dist.barrier()
+def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: Path) -> None:
+    """Whole tensors of one process (`hf_tensors`) into files of about `_FILE_BYTES`,
+    with the index transformers reads for many files."""
+    written = _write_parts(iter(sorted(tensors.items())), out_dir, "model")
+    _write_index([written], out_dir)

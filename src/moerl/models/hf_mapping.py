@@ -310,7 +310,7 @@ def mtp_copies(arch: MoEArch) -> dict[str, str]:
     return out
 
 
-def _rope_perm(arch: MoEArch, rule: Rule, rows: int) -> torch.Tensor:
+def rope_perm(arch: MoEArch, rule: Rule, rows: int) -> torch.Tensor:
     """Row order taking half-split rotary rows (a0..a_{d/2-1}, b0..) to interleaved
     (a0, b0, a1, b1, ...), which Megatron's de-interleave undoes.
 
@@ -330,7 +330,7 @@ def to_megatron(rule: Rule, read: Reader, arch: MoEArch, rope_interleave: bool) 
         return torch.cat([read(name) for name in rule.hf])
     tensor = read(rule.hf[0])
     if rule.kind == "rope" and not rope_interleave:
-        tensor = tensor[_rope_perm(arch, rule, tensor.shape[0])]
+        tensor = tensor[rope_perm(arch, rule, tensor.shape[0])]
     return tensor
 
 
@@ -340,7 +340,7 @@ def to_hf(rule: Rule, tensor: torch.Tensor, arch: MoEArch, rope_interleave: bool
         gate, up = tensor.chunk(2)
         return {rule.hf[0]: gate, rule.hf[1]: up}
     if rule.kind == "rope" and not rope_interleave:
-        tensor = tensor[torch.argsort(_rope_perm(arch, rule, tensor.shape[0]))]
+        tensor = tensor[torch.argsort(rope_perm(arch, rule, tensor.shape[0]))]
     return {rule.hf[0]: tensor}
 
 

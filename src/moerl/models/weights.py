@@ -9,6 +9,16 @@ never sees half a checkpoint. Used by weight sync (trainer -> rollout servers),
 by checkpoints and by the parity tests. A weight push from a trainer whose every rank
 holds the whole model writes one file instead (`models.whole_weights`), which
 `load_weights` reads as well.
+
+Both directions are fully parallel (`parallel_save_strategy`,
+`parallel_load_strategy`): a tensor only one rank holds is written and read by that
+rank; a tensor several ranks hold (the weights, the same on every data-parallel
+rank) is written by one of them, chosen so that every rank of the data-parallel
+group writes about the same number of bytes, and read by one of them and broadcast
+to the others. Without it data-parallel rank 0 writes all of the replicated
+weights, and every rank reads every byte it holds. Only metadata (which rank holds
+which shard) is exchanged to plan either direction. The group is data parallel with
+context parallel, as in Megatron-LM: its ranks hold the same model shard.
 """
 
 from __future__ import annotations
@@ -21,6 +31,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.dist_checkpointing.strategies.torch import (
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+)
 
 from moerl.models.weights_marker import MARKER as _MARKER
 from moerl.models.weights_marker import is_complete
@@ -51,6 +70,29 @@ def sharded_model_state(chunks: list[torch.nn.Module], prefix: str = "") -> dict
             for i, c in enumerate(chunks)}
 
 
+def _replica_group() -> Any:
+    """The ranks that hold the same shards (None: the whole world, or no groups yet)."""
+    if not dist.is_initialized() or not ps.model_parallel_is_initialized():
+        return None
+    return ps.get_data_parallel_group(with_context_parallel=True)
+
+
+def parallel_save_strategy(
+    base: TorchDistSaveShardedStrategy | None = None,
+) -> FullyParallelSaveStrategyWrapper:
+    """`base` (default: plain torch_dist) with the writes spread over the replicas."""
+    return FullyParallelSaveStrategyWrapper(base or TorchDistSaveShardedStrategy(),
+                                            _replica_group())
+
+
+def parallel_load_strategy(
+    base: TorchDistLoadShardedStrategy | None = None,
+) -> FullyParallelLoadStrategyWrapper:
+    """`base` (default: plain torch_dist) with the reads spread over the replicas."""
+    return FullyParallelLoadStrategyWrapper(base or TorchDistLoadShardedStrategy(),
+                                            _replica_group())
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -71,7 +113,8 @@ def save_weights(chunks: list[torch.nn.Module], directory: str | Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    dist_checkpointing.save(sharded_model_state(chunks), str(tmp))
+    dist_checkpointing.save(sharded_model_state(chunks), str(tmp),
+                            sharded_strategy=parallel_save_strategy())
     _barrier()
     if _rank() == 0:
         (tmp / _MARKER).write_text("ok\n")
@@ -96,7 +139,8 @@ def load_weights(chunks: list[torch.nn.Module], directory: str | Path) -> None:
         return
     template = sharded_model_state(chunks)
     try:
-        state = dist_checkpointing.load(template, str(path))
+        state = dist_checkpointing.load(template, str(path),
+                                        sharded_strategy=parallel_load_strategy())
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # torch's CheckpointException derives from BaseException

@@ -191,7 +191,7 @@ def shim_causal_mask() -> None:
     _set(fused_softmax, "get_default_causal_mask", _cpu_causal_mask)
 
 
-_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
+_FACTORIES = ("zeros", "ones", "empty", "empty_like", "full", "tensor", "arange")
 
 
 class _CpuTorch(types.ModuleType):
@@ -326,6 +326,36 @@ def shim_optimizer_state_gather() -> None:
     _set(DistributedOptimizer, "get_parameter_state_dp_zero", _with_tensor_cuda_as_noop(gather))
 
 
+def shim_parallel_load_exchange() -> None:
+    """A fully parallel checkpoint load reads each replicated tensor on one rank of
+    the data-parallel group and broadcasts it to the others
+    (`exchange_utils.exchange_by_distribution`), staging every tensor on the GPU first:
+    `.cuda()` of the loaded ones, `ShardedTensor.init_data("cuda")` and
+    `torch.empty_like(..., device="cuda")` for the receiving buffers. gloo broadcasts CPU
+    tensors as they are: run the exchange with those building on CPU."""
+    from megatron.core.dist_checkpointing import exchange_utils
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import fully_parallel
+
+    _set(exchange_utils, "torch", _CpuTorch())
+    exchange = _with_tensor_cuda_as_noop(exchange_utils.exchange_by_distribution)
+    init_data = ShardedTensor.init_data
+
+    @functools.wraps(exchange)
+    def on_cpu(*args: Any, **kwargs: Any) -> Any:
+        def cpu_init(self: ShardedTensor, device: Any, *a: Any, **k: Any) -> None:
+            init_data(self, "cpu" if str(device).startswith("cuda") else device, *a, **k)
+
+        ShardedTensor.init_data = cpu_init
+        try:
+            return exchange(*args, **kwargs)
+        finally:
+            ShardedTensor.init_data = init_data
+
+    _set(exchange_utils, "exchange_by_distribution", on_cpu)
+    _set(fully_parallel, "exchange_by_distribution", on_cpu)
+
+
 def shim_synchronize() -> None:
     """Batched pipeline p2p calls `torch.cuda.synchronize()` after its sends and
     receives (a guard for NCCL); gloo's waits already completed them, so on CPU it
@@ -404,6 +434,7 @@ SHIMS: dict[str, Callable[[], None]] = {
     "cp_rotary_split": shim_cp_rotary_split,
     "embedding_sync": shim_embedding_sync,
     "optimizer_state_gather": shim_optimizer_state_gather,
+    "parallel_load_exchange": shim_parallel_load_exchange,
     "norm_sequence_parallel": shim_norm_sequence_parallel,
     "cuda_device_strings": shim_cuda_device_strings,
     "cuda_type_checks": shim_cuda_type_checks,

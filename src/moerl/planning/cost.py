@@ -58,10 +58,14 @@ class ClusterSpec:
     exposed_ep: float = 0.6
     exposed_pp: float = 0.5
     exposed_dp: float = 0.2
+    checkpoint_write_gbps: float = 50.0
+    """GB/s the shared filesystem takes from all nodes at once (checkpoint_time.py)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ValueError("cluster.nodes and cluster.gpus_per_node: must be >= 1")
+        if self.checkpoint_write_gbps <= 0:
+            raise ValueError("cluster.checkpoint_write_gbps: must be > 0")
         if not 0 < self.achievable_fraction <= 1:
             raise ValueError("cluster.achievable_fraction: must be in (0, 1]")
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from moerl.models.arch import get_preset
+from moerl.planning.checkpoint_time import interval_minutes, save_plan
 from moerl.planning.memory import GiB
 from moerl.planning.plan import Candidate, PlanConfig
 from moerl.planning.rollout_fit import EngineFit
@@ -75,6 +76,8 @@ def recipe_text(config: PlanConfig, overrides: list[str], path: Path, best: Cand
     step = PlannedStep(run.global_batch_size, run.seq_length, run.micro_batch_size, layout)
     train = train_settings(step, config.recipe, config.reward_nodes, config.environment_nodes,
                            engine.needed_rows)
+    save = save_plan(get_preset(config.model), run, cluster.checkpoint_write_gbps)
+    train["checkpoint.interval_minutes"] = interval_minutes(save)
     header = [
         "# @package _global_",
         *_wrapped_command(overrides, path),
@@ -86,6 +89,10 @@ def recipe_text(config: PlanConfig, overrides: list[str], path: Path, best: Cand
         f"# rollout engines of {engine.gpus} GPUs (TP{engine.tp}, EP{engine.ep}), "
         f"{engine.replicas} of them, {engine.needed_rows} "
         f"row{'s' if engine.needed_rows != 1 else ''} each.",
+        f"# One checkpoint: {save.bytes / 1e12:.2f} TB, {save.seconds:.0f} s at "
+        f"{save.write_gbps:g} GB/s (cluster.checkpoint_write_gbps);",
+        f"# one every {train['checkpoint.interval_minutes']} minutes "
+        "(checkpoint.interval_minutes).",
     ]
     if best.uneven_pipeline:
         header.append(f"# {get_preset(config.model).num_layers} layers over pp*vpp = {chunks} "

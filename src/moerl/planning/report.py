@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moerl.models.arch import get_preset
+from moerl.planning.checkpoint_time import interval_minutes, save_plan
 from moerl.planning.memory import GiB
 from moerl.planning.plan import Candidate, PlanConfig, search_layouts
 from moerl.planning.recipe import existing_notes, recipe_text
@@ -133,6 +134,7 @@ def report(config: PlanConfig, as_json: bool, kv_bytes: KVBytes, recipe: Path | 
     best = fitting[: search.top]
     options = rollout_options(arch, config.rollout, cluster.gpus_per_node, cluster.gpu_memory_gb,
                               kv_bytes)
+    save = save_plan(arch, config.run, cluster.checkpoint_write_gbps)
     if as_json:
         print(json.dumps({
             "config": to_dict(config),
@@ -141,6 +143,9 @@ def report(config: PlanConfig, as_json: bool, kv_bytes: KVBytes, recipe: Path | 
             "closest_miss": candidate_dict(miss) if miss is not None and not fitting else None,
             "best": [candidate_dict(c) for c in best],
             "rollout": [to_dict(o) for o in options],
+            "checkpoint": {"bytes": save.bytes, "seconds": save.seconds,
+                           "write_gbps": save.write_gbps,
+                           "interval_minutes": interval_minutes(save)},
         }, indent=2))
         return 0 if fitting else 1
     console = Console()
@@ -166,4 +171,6 @@ def report(config: PlanConfig, as_json: bool, kv_bytes: KVBytes, recipe: Path | 
     console.print(_memory_table(best[0], cluster.gpu_memory_gb * (1 - search.safety_margin),
                                 config))
     console.print(_rollout_table(options, config))
+    console.print(f"one checkpoint: {save.describe()}; checkpoint.interval_minutes="
+                  f"{interval_minutes(save)}", markup=False)
     return 0

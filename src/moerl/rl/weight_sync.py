@@ -6,14 +6,14 @@ Two filesystem strategies, chosen from `rollout.engine` by `build_weight_sync`:
   weights together to `<root>/v<version>` (atomic; see models.weights), then the
   controller asks each server to load that directory.
 - `HFExportWeightSync` (vLLM, SGLang: they read Hugging Face checkpoints only):
-  the shards are gathered to global rank 0 over tensor, expert and pipeline
-  parallelism (`models.hf.export_hf`: every rank takes part, rank 0 writes
-  safetensors + config.json), the directory is completed with the served model's
-  tokenizer files and renamed into place, and only then does the controller send
-  the engine's update call (`rollout.backends.weight_update_calls`) naming it.
+  every rank writes the tensors it is assigned to safetensors files of its own
+  (`models.hf.export_hf`: nothing gathered to one rank; rank 0 writes the index and
+  config.json), the directory is completed with the served model's tokenizer files
+  and renamed into place, and only then does the controller send the engine's update
+  call (`rollout.backends.weight_update_calls`) naming it.
 
 `engines` is given on the controller only, which is global rank 0 (the rank that
-writes the HF export); every trainer rank calls `push`.
+renames the HF export into place); every trainer rank calls `push`.
 
 `rl.weight_sync=memory` streams each version to the servers over a process group
 instead (`rl.weight_stream`: every trainer rank its own slices to moerl servers;
@@ -74,9 +74,24 @@ class _Announcer:
 
 
 class FilesystemWeightSync(_Announcer):
-    """Megatron weights for our own servers (`rollout.engine=moerl`)."""
+    """Megatron weights for our own servers (`rollout.engine=moerl`).
+
+    `initial`: a weights directory that holds exactly the policy's weights when the
+    first version is pushed (the run's initial weights, or a resumed checkpoint's model
+    part): the servers are told to read it where it is, and nothing is written. It is
+    never deleted with the published versions."""
+
+    def __init__(self, root: Path, engines: RolloutClient | None, keep: int,
+                 initial: Path | None = None) -> None:
+        super().__init__(root, engines, keep)
+        self.initial = initial
 
     def push(self, policy: Publisher, version: int) -> None:
+        if self.initial is not None:
+            initial, self.initial = self.initial, None
+            if self.engines is not None:
+                self.engines.update_weights(initial, version)
+            return
         path = policy.publish(self.root / f"v{version:06d}")
         if dist.is_initialized():
             dist.barrier()
@@ -111,6 +126,8 @@ class HFExportWeightSync(_Announcer):
         writer = not dist.is_initialized() or dist.get_rank() == 0
         if writer:
             shutil.rmtree(partial, ignore_errors=True)
+        if dist.is_initialized():  # every rank writes into it: none before it is cleared
+            dist.barrier()
         export_hf(chunks, policy.arch, partial, base_config=self.base_config, dtype=self.dtype)
         if not writer:
             return
@@ -153,18 +170,21 @@ def build_weight_sync(engine: str, root: Path, engines: RolloutClient | None, *,
                       hf_model_dir: str | None = None, dtype: str = "auto",
                       mode: str = "disk", arch: MoEArch | None = None,
                       staging_bytes: int = 256 << 20, timeout_s: float = 600.0,
-                      server_ranks: int | None = None) -> WeightSync:
+                      server_ranks: int | None = None,
+                      initial: Path | None = None) -> WeightSync:
     """The strategy `rollout.engine` and `rl.weight_sync` need: Megatron weights for
     moerl, an HF export then the engine's update call for vllm and sglang; with
     `mode="memory"` each version after the first is streamed over a process group
     instead (`server_ranks`: each server's ranks, None: they say; `staging_bytes` and
-    `timeout_s`: each rank's staging memory and each version's bound)."""
+    `timeout_s`: each rank's staging memory and each version's bound). `initial`: the
+    weights directory the first version already is (moerl servers read it there; see
+    `FilesystemWeightSync`)."""
     if mode not in ("disk", "memory"):
         raise ValueError(f"rl.weight_sync: {mode!r}; choose disk or memory")
     kind = check_engine(engine)
     disk: WeightSync
     if kind == "moerl":
-        disk = FilesystemWeightSync(root, engines, keep)
+        disk = FilesystemWeightSync(root, engines, keep, initial)
     else:
         disk = HFExportWeightSync(root, engines, keep, served_dir=hf_model_dir,
                                   dtype=export_dtype(dtype))

@@ -61,14 +61,14 @@ class _Policy:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, _Policy]]:
     from megatron.core.transformer.moe import moe_logging
 
-    from moerl.models.hf import import_hf
+    from moerl.models.hf_import import import_hf
     from moerl.parallel.groups import destroy_parallel, init_parallel
 
     hf_dir = HF_WORKER.tiny_hf_checkpoint(tmp_path_factory.mktemp("served") / "tiny")
     (hf_dir / "tokenizer.json").write_text('{"model": "bytes"}')
     init_parallel(ParallelLayout(), seed=0)
     moe_logging.destroy_moe_metrics_tracker()
-    arch, chunks = import_hf(hf_dir, ParallelLayout())
+    arch, chunks, _ = import_hf(hf_dir, ParallelLayout())
     yield hf_dir, _Policy(arch, chunks)
     destroy_parallel()
 

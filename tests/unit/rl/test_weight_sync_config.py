@@ -42,3 +42,41 @@ def test_each_engine_gets_its_disk_path_under_the_stream(tmp_path: Path) -> None
     assert (vllm.engine, vllm.server_ranks) == ("vllm", 2)
     with pytest.raises(ValueError, match=r"rl\.weight_sync: 'nccl'"):
         build_weight_sync("moerl", tmp_path, None, mode="nccl", arch=TINY)
+
+
+def test_the_first_version_is_read_where_the_weights_are(tmp_path: Path) -> None:
+    """With `initial` (the run's start weights, or a resumed checkpoint's model part) the
+    servers are told to read that directory: nothing is written for the first version,
+    and the directory is never deleted with the versions published after it."""
+    from typing import Any, cast
+
+    announced: list[tuple[Path, int]] = []
+    published: list[Path] = []
+
+    class Engines:
+        def update_weights(self, path: Path, version: int) -> None:
+            announced.append((Path(path), version))
+
+    class Trained:
+        arch = TINY
+        chunks: tuple[Any, ...] = ()
+
+        def publish(self, directory: str | Path) -> Path:
+            Path(directory).mkdir(parents=True)
+            published.append(Path(directory))
+            return Path(directory)
+
+    start = tmp_path / "sft"
+    start.mkdir()
+    for mode in ("disk", "memory"):  # the stream's first version goes by disk too
+        announced.clear()
+        published.clear()
+        sync = build_weight_sync("moerl", tmp_path / mode, cast(Any, Engines()), keep=1,
+                                 mode=mode, arch=TINY, initial=start)
+        disk = sync.disk if isinstance(sync, MemoryWeightSync) else sync
+        disk.push(Trained(), 7)
+        assert announced == [(start, 7)] and published == []
+        disk.push(Trained(), 8)
+        disk.push(Trained(), 9)  # keep=1: v8 goes, the start weights stay
+        assert published == [tmp_path / mode / "v000008", tmp_path / mode / "v000009"]
+        assert start.is_dir() and not published[0].exists()
