@@ -12,10 +12,8 @@ logprobs and per-token advantages are placed at the same positions.
 
 Shapes. Every micro-batch of one update has the same (B, T): T is the longest sequence
 of the global batch (L - 1 tokens) rounded up to `pad_multiple` (the TP size, which
-sequence parallelism needs); a rank's samples need ceil(n / (token_budget // T))
-micro-batches, and B is the fewest rows that hold them in that many, one sample per row,
-padded with empty rows (mask 0) where a rank has run out of samples (at most one per
-micro-batch but the first; a padding row costs what a real one does). The pipeline schedule then
+sequence parallelism needs), and B = token_budget // T rows, one sample per row, padded
+with empty rows (mask 0) where a rank has run out of samples. The pipeline schedule then
 sends fixed-shape activations and every data-parallel rank runs the same number of
 micro-batches (expert-parallel all-to-alls span data-parallel ranks, so they must).
 Megatron's `variable_seq_lengths` would avoid the padding at the price of a shape
@@ -110,8 +108,7 @@ class PackPlan:
 def plan_microbatches(
     samples: Sequence[RLSample], token_budget: int, dp_size: int = 1, pad_multiple: int = 1
 ) -> PackPlan:
-    """Shape of the micro-batches: T from the longest sample; as many micro-batches as
-    B <= token_budget // T needs, and B as small as they allow."""
+    """Shape of the micro-batches: T from the longest sample, B = token_budget // T."""
     if not samples:
         raise ValueError("no samples to pack")
     longest = max(len(s) for s in samples) - 1
@@ -121,10 +118,9 @@ def plan_microbatches(
             f"token_budget {token_budget} is smaller than the longest sequence "
             f"({seq_length} tokens after padding); raise it"
         )
+    rows = token_budget // seq_length
     per_rank = math.ceil(len(samples) / dp_size)
-    count = math.ceil(per_rank / (token_budget // seq_length))
-    # Balanced: 32 samples of 74 tokens in a budget of 2048 are 2 x 16 rows, not 2 x 27.
-    return PackPlan(math.ceil(per_rank / count), seq_length, count, per_rank)
+    return PackPlan(rows, seq_length, math.ceil(per_rank / rows), per_rank)
 
 
 def rank_samples(samples: Sequence[RLSample], plan: PackPlan, dp_rank: int) -> range:

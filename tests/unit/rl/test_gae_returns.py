@@ -5,8 +5,6 @@ metrics over the whole step rather than per micro-batch."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 import torch
@@ -38,12 +36,9 @@ def _like(mb: RLMicroBatch, seed: int, scale: float = 1.0) -> torch.Tensor:
 
 
 def _step(samples: list[RLSample], budget: int, kl_coef: float = 0.0, gamma: float = 0.9,
-          lam: float = 0.8, padding_rows: int = 0,
-          ) -> tuple[list[RLMicroBatch], list[torch.Tensor], list[RLMicroBatch],
-                     list[torch.Tensor], dict[str, float]]:
-    plan = plan_microbatches(samples, token_budget=budget)
-    # `padding_rows` empty rows in each micro-batch, as a rank out of samples packs them
-    micro = pack(samples, replace(plan, rows=plan.rows + padding_rows))
+          lam: float = 0.8) -> tuple[list[RLMicroBatch], list[torch.Tensor], list[RLMicroBatch],
+                                     list[torch.Tensor], dict[str, float]]:
+    micro = pack(samples, plan_microbatches(samples, token_budget=budget))
     values = [_like(mb, 10 + k) for k, mb in enumerate(micro)]
     old = [-_like(mb, 20 + k).abs() for k, mb in enumerate(micro)]
     ref = [-_like(mb, 30 + k).abs() for k, mb in enumerate(micro)]
@@ -56,7 +51,7 @@ def _step(samples: list[RLSample], budget: int, kl_coef: float = 0.0, gamma: flo
 @pytest.mark.parametrize("kl_coef", [0.0, 0.3])
 def test_one_micro_batch_equals_the_formula(kl_coef: float) -> None:
     samples = _samples(5)
-    micro, values, (out,), (ret,), metrics = _step(samples, 4096, kl_coef, padding_rows=3)
+    micro, values, (out,), (ret,), metrics = _step(samples, 4096, kl_coef)
     (mb,) = micro
     rows = mb.loss_mask.bool().any(dim=-1)
     assert int(rows.sum()) == len(samples) < rows.numel()  # the rest are padding rows
