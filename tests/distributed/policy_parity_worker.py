@@ -32,13 +32,6 @@ from moerl.rl.losses import GRPOConfig
 from moerl.rl.policy import Policy
 from moerl.trainer.config import OptimConfig
 
-# Without MLA's latent norms (the tiny preset's default): with them the logprobs after
-# the update differ from one process by 2.6e-2 at EP2 and TP2·EP2·ETP2, while the
-# logprobs before it, the loss and the gradient norm agree to 1e-6 (and Adam's eps
-# 1e-3 does not change that); the model parity suite's Adam steps at EP2 agree. An open
-# finding, not covered here.
-TINY = TINY.replace(latent_norms=False)
-
 
 def samples(n: int = 8) -> list[RLSample]:
     gen = torch.Generator().manual_seed(17)

@@ -30,6 +30,7 @@ from moerl.models.features import te_available
 from moerl.models.mla_local import MLADotProductAttention, TPExactMLASelfAttention
 from moerl.models.precision import RecomputeConfig, ResolvedPrecision, local_fp32
 from moerl.models.ring_attention import ring_attention_spec_patch
+from moerl.models.routers import count_only_real_tokens
 from moerl.parallel.layout import ParallelLayout
 
 
@@ -277,6 +278,7 @@ def build_model(
     )
     if packed_rows and arch.mtp_num_layers:
         packed_mtp.install()
+    count_only_real_tokens()
     chunks = []
     for vp in range(layout.virtual_stages):
         vp_stage = vp if layout.vpp else None

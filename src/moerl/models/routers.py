@@ -28,3 +28,25 @@ def top_k_ids(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
         raise RuntimeError(f"a router chose {ids.numel()} experts for {routing_map.shape[0]} "
                            f"tokens, expected {topk} each (token dropping is not captured)")
     return ids.reshape(routing_map.shape[0], topk)
+
+
+def _count_real_tokens(router: TopKRouter, routing_map: torch.Tensor,
+                       padding_mask: torch.Tensor | None = None) -> None:
+    """`TopKRouter._apply_expert_bias` that can take the padding mask the router passes it:
+    routing_map (tokens, E), padding_mask (tokens,) True where a token is padding."""
+    if router.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                if padding_mask.dim() < routing_map.dim():
+                    padding_mask = padding_mask.reshape(-1, 1)
+                routing_map = routing_map & ~padding_mask
+            router.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+def count_only_real_tokens() -> None:
+    """The expert bias's token counts leave padding out. The trainer passes each
+    micro-batch's padding as GPTModel's `padding_mask`; megatron-core 0.19's router
+    flattens it to (tokens,) and masks the (tokens, E) routing map with it, which cannot
+    broadcast. Without the mask, padding rows' tokens are counted, and the bias update
+    depends on how a layout pads its micro-batches. Idempotent."""
+    TopKRouter._apply_expert_bias = _count_real_tokens

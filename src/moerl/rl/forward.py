@@ -151,7 +151,10 @@ def run_schedule(
         hooks.before(local, model)
         # Every stage gets the whole micro-batch; only the first reads the tokens.
         with nullcontext() if mtp else without_mtp(model):
-            output = model(local.tokens.to(device), local.position_ids.to(device), None)
+            # padding_mask: padding rows' tokens reach no router's token counts, so the
+            # expert-bias update does not depend on how a layout pads its micro-batches.
+            output = model(local.tokens.to(device), local.position_ids.to(device), None,
+                           padding_mask=~local.valid.to(device))
 
         def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
             return on_logits(k, mb, logits)  # logits (B, T, V/tp) on the last stage

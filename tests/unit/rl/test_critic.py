@@ -132,7 +132,7 @@ def test_gradient_equals_direct_autograd(groups: ParallelGroups) -> None:
 
 
 def test_the_critic_learns_its_targets(groups: ParallelGroups) -> None:
-    policy = build(groups, CriticConfig(lr=1e-3))
+    policy = build(groups, CriticConfig(lr=5e-4))
     critic = _critic(policy)
     micro = policy.pack(samples(seed=3))
     returns = [mb.loss_mask * torch.linspace(-1, 1, mb.shape[1]) for mb in micro]
@@ -188,7 +188,7 @@ def test_a_resume_continues_the_critic_exactly(groups: ParallelGroups, tmp_path:
     batch, later = samples(seed=7), samples(seed=8)
     critic_cfg = CriticConfig(warmup_steps=2, head_init_std=0.05)
 
-    ckpt = RLCheckpoints(cfg, marks)
+    ckpt = RLCheckpoints(cfg, marks, None, seed=11, layout=groups.layout.describe())
     first = build(groups, critic_cfg)
     assert ckpt.load(first) is None  # a fresh start
     first.update(batch, 2)
@@ -197,7 +197,7 @@ def test_a_resume_continues_the_critic_exactly(groups: ParallelGroups, tmp_path:
     want = first.update(later, 2)  # still warming up: the critic alone moves
     want_values = _critic(first).values(first.pack(later))
 
-    resumed = RLCheckpoints(cfg, marks)
+    resumed = RLCheckpoints(cfg, marks, None, seed=11, layout=groups.layout.describe())
     second = build(groups, critic_cfg, seed=99)  # other weights until the load
     state = resumed.load(second)
     assert state is not None and state.next_step == 1 and second.updates == 1
@@ -211,7 +211,7 @@ def test_a_resume_continues_the_critic_exactly(groups: ParallelGroups, tmp_path:
 
     # A checkpoint saved without a critic cannot resume a run that has one.
     plain = dataclasses.replace(cfg, dir=str(tmp_path / "plain"))
-    without = RLCheckpoints(plain, marks)
+    without = RLCheckpoints(plain, marks, None, seed=11, layout=groups.layout.describe())
     no_critic = build(groups, critic_cfg)
     critic, no_critic.critic = no_critic.critic, None
     without.load(no_critic)
@@ -219,4 +219,4 @@ def test_a_resume_continues_the_critic_exactly(groups: ParallelGroups, tmp_path:
     without.close()
     no_critic.critic = critic
     with pytest.raises(CheckpointError, match=r"holds no critic"):
-        RLCheckpoints(plain, marks).load(no_critic)
+        RLCheckpoints(plain, marks, None, seed=11, layout=groups.layout.describe()).load(no_critic)
