@@ -144,7 +144,7 @@ def test_sampled_sequences_keep_the_policy_distribution(model: GPTModel) -> None
     against their exact probabilities, for the MTP head's sampled drafts and for a
     deterministic drafter, at two temperatures."""
     prompt = list(b"for i in range(3): for")
-    for mode, temperature, top_k in (("mtp", 1.3, 3), ("ngram", 0.8, 4)):
+    for mode, temperature, top_k in (("mtp", 1.3, 8), ("ngram", 0.8, 4)):
         params = SamplingParams(max_tokens=2, temperature=temperature, top_k=top_k, n=2000,
                                 seed=int(temperature * 10), ignore_eos=True)
         joint = _two_token_probs(model, prompt, params)
@@ -158,7 +158,9 @@ def test_sampled_sequences_keep_the_policy_distribution(model: GPTModel) -> None
             fast._decoder.drafter = FixedDrafter(table)
         groups = fast.generate([GenerationRequest(tuple(prompt), params)])
         rate = speculation_metrics(groups)["rollout/spec/acceptance_rate"]
-        assert 0.05 < rate < 0.95, (mode, rate)  # both branches of the rule ran
+        # Both branches of the rule ran, each for at least 10 samples (the untrained MTP
+        # head's top-8 barely overlaps the main head's: ~1.6% of its drafts are kept).
+        assert 10 <= rate * params.n <= params.n - 10, (mode, rate)
         counts: dict[tuple[int, int], int] = {}
         for s in groups[0]:
             pair = (s.token_ids[0], s.token_ids[1])
