@@ -119,6 +119,17 @@ def without_mtp(model: torch.nn.Module) -> Iterator[None]:
         inner.mtp_process, config.mtp_num_layers = saved
 
 
+def _padding_mask(model: torch.nn.Module, valid: torch.Tensor) -> torch.Tensor:
+    """(B, T) True at padding. GPTModel cuts it for sequence parallelism on the first
+    pipeline stage only; a later stage's hidden states hold this TP rank's T / tp
+    positions, so it gets that slice here."""
+    inner = unwrap_model(model)
+    if inner.config.sequence_parallel and not inner.pre_process:
+        tp = ps.get_tensor_model_parallel_world_size()
+        return (~valid).chunk(tp, dim=1)[ps.get_tensor_model_parallel_rank()]
+    return ~valid
+
+
 def run_schedule(
     chunks: Sequence[torch.nn.Module],
     micro: Sequence[RLMicroBatch],
@@ -154,7 +165,7 @@ def run_schedule(
             # padding_mask: padding rows' tokens reach no router's token counts, so the
             # expert-bias update does not depend on how a layout pads its micro-batches.
             output = model(local.tokens.to(device), local.position_ids.to(device), None,
-                           padding_mask=~local.valid.to(device))
+                           padding_mask=_padding_mask(model, local.valid).to(device))
 
         def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
             return on_logits(k, mb, logits)  # logits (B, T, V/tp) on the last stage
