@@ -84,7 +84,8 @@ def copy_tasks(count: int, seed: int, top: int = 10_000) -> list[Task]:
 
 def demo_tasks(train_size: int, eval_size: int, seed: int) -> tuple[list[Task], list[Task]]:
     """The demo's rows and held-out prompts, every demonstration correct."""
-    from moerl.data.prompts import DataConfig, PromptRecord, load_prompts
+    from moerl.data.prompt_sources import load_prompts
+    from moerl.data.prompts import DataConfig, PromptRecord
 
     def task(record: PromptRecord) -> Task:
         assert record.reference is not None

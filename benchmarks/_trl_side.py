@@ -38,7 +38,8 @@ from datasets.table import InMemoryTable  # noqa: E402
 from transformers import AutoModelForCausalLM, TrainerCallback, set_seed  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
-from moerl.data.prompts import DataConfig, PromptRecord, PromptStream, load_prompts  # noqa: E402
+from moerl.data.prompt_sources import load_prompts  # noqa: E402
+from moerl.data.prompts import DataConfig, PromptRecord, PromptStream  # noqa: E402
 from moerl.models.arch import MoEArch  # noqa: E402
 from moerl.rewards.client import RewardClient, RewardClientConfig, ScoreItem  # noqa: E402
 from moerl.rl.objective_config import GRPOConfig as GRPOObjective  # noqa: E402

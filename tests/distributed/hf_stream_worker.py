@@ -19,7 +19,7 @@ from moerl.models.build import build_model
 from moerl.models.hf import export_hf
 from moerl.parallel.groups import destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
-from moerl.rl.weight_sync import build_weight_sync
+from moerl.rl.weight_sync_build import build_weight_sync
 from moerl.rollout.client import RolloutClient
 
 ARCH = TINY.replace(latent_norms=True, mtp_num_layers=0)

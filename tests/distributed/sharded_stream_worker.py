@@ -88,7 +88,8 @@ def trainer(rank: int, args: argparse.Namespace) -> dict[str, Any] | None:
 def engine(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     from moerl.data.tokenizer import ByteTokenizer
     from moerl.rollout.engine import build_engine
-    from moerl.rollout.ranks import Command, follow
+    from moerl.rollout.follower import follow
+    from moerl.rollout.ranks import Command
 
     name = next(n for n, (first, _) in ENGINES.items() if first <= rank < first + 2)
     first, (flag, size) = ENGINES[name][0], ENGINES[name][1]

@@ -17,7 +17,7 @@ import pytest
 
 from moerl.config import load_run_config
 from moerl.data.mixture import MixtureStream
-from moerl.data.prompts import load_prompts
+from moerl.data.prompt_sources import load_prompts
 from moerl.rl.agent_collect import terminal_source
 
 DOMAINS = ("code", "programs", "math", "documents", "tools", "terminal")

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from moerl.data.chat import ChatError, Message, check_messages
-from moerl.data.code_tasks import OPERATOR_WORDS, Confusion, make_tasks, noisy_demonstration
+from moerl.data.code_tasks import OPERATOR_WORDS, Confusion
 from moerl.data.domain_config import DomainConfig, check_mixture
 
 
@@ -99,22 +99,6 @@ class LoadReport:
         self.dropped[why] = self.dropped.get(why, 0) + 1
 
 
-def _code_records(count: int, seed: int, prefix: str, sft_fraction: float,
-                  constants: list[int] | None, confusion: Confusion | None = None,
-                  held_out: bool = False) -> list[PromptRecord]:
-    rng = random.Random(seed + 7919)
-    return [
-        PromptRecord(
-            uid=t.uid,
-            prompt=t.prompt,
-            reward="humaneval",
-            spec={"prompt": t.prompt, "test": t.tests, "entry_point": t.entry_point},
-            reference=noisy_demonstration(t, rng, sft_fraction, confusion),
-        )
-        for t in make_tasks(count, seed, prefix, constants, held_out=held_out)
-    ]
-
-
 def json_row(line: str, row: int, required: tuple[tuple[str, type], ...]) -> dict[str, Any]:
     """One JSONL row as an object with the `required` (field, type) pairs; otherwise
     `DatasetError` naming the row and the field."""
@@ -174,32 +158,6 @@ def load_jsonl(path: str | Path, max_chars: int, strict: bool) -> tuple[list[Pro
     if not records:
         raise DatasetError(f"{path}: no usable rows ({report.dropped})")
     return records, report
-
-
-def load_prompts(cfg: DataConfig, sources: Mapping[str, Any] | None = None,
-                 tokens: Callable[[PromptRecord], int] | None = None,
-                 ) -> tuple[list[PromptRecord], list[PromptRecord], LoadReport]:
-    """(train, eval, report) records for the config. A mixture's domains may name
-    `sources` (generators by name) that this package cannot build, e.g. `terminal`;
-    their prompts are held to their token limits as `tokens` counts them."""
-    if cfg.source == "mixture":
-        from moerl.data.mixture import load_mixture
-
-        return load_mixture(cfg, sources or {}, tokens)
-    if cfg.source == "code_tasks":
-        train = _code_records(cfg.train_size, cfg.seed, "train", cfg.sft_correct_fraction,
-                              cfg.constants, cfg.confusion())
-        # Another seed and function names no training task has (code_tasks.HELD_OUT_NAMES):
-        # no held-out prompt occurs among the SFT rows or RL prompts.
-        held_out = _code_records(cfg.eval_size, cfg.seed + 1_000_003, "eval", 1.0,
-                                 cfg.constants, held_out=True)
-        return train, held_out, LoadReport(loaded=len(train))
-    assert cfg.path is not None
-    # Bytes are a safe upper bound of tokens for any tokenizer the project ships.
-    limit = cfg.max_prompt_tokens * 4
-    train, report = load_jsonl(cfg.path, limit, cfg.strict)
-    held_out = load_jsonl(cfg.eval_path, limit, cfg.strict)[0] if cfg.eval_path else []
-    return train, held_out, report
 
 
 @dataclass

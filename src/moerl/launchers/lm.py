@@ -80,7 +80,7 @@ def check_precision_at_start(precision: PrecisionConfig, recompute: RecomputeCon
 
 def check_tokenizer_at_start(tokenizer: TokenizerConfig, model_vocab_size: int) -> None:
     """The tokenizer loads and fits the model's vocabulary, before any stage starts."""
-    from moerl.data.tokenizer import build_tokenizer
+    from moerl.data.tokenizer_build import build_tokenizer
 
     try:
         build_tokenizer(tokenizer, model_vocab_size)

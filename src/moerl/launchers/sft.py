@@ -60,9 +60,9 @@ def run_sft_command(overrides: list[str]) -> int:
 
     from moerl.checkpoint.checkpointer import Checkpointer
     from moerl.checkpoint.config import Fingerprints
-    from moerl.data.prompts import load_prompts
+    from moerl.data.prompt_sources import load_prompts
     from moerl.data.sft import instruction_examples
-    from moerl.data.tokenizer import build_tokenizer
+    from moerl.data.tokenizer_build import build_tokenizer
     from moerl.models.features import resolve_precision
     from moerl.models.weights import save_weights
     from moerl.parallel.groups import destroy_parallel, init_parallel

@@ -18,9 +18,11 @@ from moerl.checkpoint.config import Fingerprints
 from moerl.config import RunConfig
 from moerl.data.chat import encode_prompt
 from moerl.data.mixture import MixtureStream
-from moerl.data.prompts import PromptRecord, PromptStream, load_prompts
+from moerl.data.prompt_sources import load_prompts
+from moerl.data.prompts import PromptRecord, PromptStream
 from moerl.data.sft import instruction_examples
-from moerl.data.tokenizer import Tokenizer, build_tokenizer
+from moerl.data.tokenizer import Tokenizer
+from moerl.data.tokenizer_build import build_tokenizer
 from moerl.launchers.domain_report import check_reward_names, domain_plot, domain_table
 from moerl.launchers.plan import RunLayout
 from moerl.models.features import resolve_precision
@@ -36,7 +38,7 @@ from moerl.rl.domains import domain_runs
 from moerl.rl.loop import Controller, train
 from moerl.rl.policy import Policy
 from moerl.rl.resume import RLCheckpoints
-from moerl.rl.weight_sync import build_weight_sync
+from moerl.rl.weight_sync_build import build_weight_sync
 from moerl.rollout.client import RolloutClient
 from moerl.signals import STOP_SIGNALS, StopOnSignal, start_helpers_ignoring
 from moerl.trainer.sft import build_sft_trainable, run_sft

@@ -19,7 +19,7 @@ import random
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -34,14 +34,12 @@ from moerl.data.prompts import PromptRecord
 from moerl.data.rl_batch import RLSample
 from moerl.data.tokenizer import Tokenizer
 from moerl.observability import StepTimer
+from moerl.rl.batch import Batch, HasEngines
 from moerl.rl.config import AgentTasksConfig, RLConfig
 from moerl.rl.scoring import advantages, has_spread
 from moerl.rollout.client import RolloutClient
 from moerl.sandbox import Sandbox, SandboxConfig
 from moerl.typed_config import ConfigError
-
-if TYPE_CHECKING:
-    from moerl.rl.loop import Batch, Controller
 
 EPISODE = "episode"
 """The `reward` of a terminal-domain record: graded by its task's check in the episode."""
@@ -153,9 +151,7 @@ class AgentCollector:
                              "(rl.agent.tasks / categories / task_dirs)")
         return found
 
-    def __call__(self, ctl: Controller, cfg: RLConfig, step: int) -> Batch:
-        from moerl.rl.loop import Batch
-
+    def __call__(self, ctl: HasEngines, cfg: RLConfig, step: int) -> Batch:
         timer, kept, seen = StepTimer(), list[list[Trajectory]](), list[list[Trajectory]]()
         for round_ in range(cfg.max_generation_rounds):
             seed = (cfg.seed * 100_003 + step) * 101 + round_

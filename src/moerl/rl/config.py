@@ -3,10 +3,11 @@ critic read as it is (no field is copied into another config)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from moerl.rl.critic_config import CriticConfig, check_gae
+from moerl.rl.critic_config import GAE_DEFAULTS, CriticConfig
 from moerl.rl.objective_config import AggregationMode, ObjectiveConfig, objective_config_class
 from moerl.rollout.types import SamplingParams
 
@@ -227,3 +228,27 @@ def _objective_class(name: Any) -> type[ObjectiveConfig]:
         return objective_config_class(name)
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"rl.objective: {err}") from None
+
+
+def check_gae(rl: RLConfig) -> None:
+    """GAE's fields: in range, set only with rl.advantage=gae, a warm-up that ends."""
+    for name in GAE_DEFAULTS:
+        value = getattr(rl, name)
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"rl.{name}: must be in [0, 1], got {value}")
+    if rl.advantage != "gae":
+        changed = [f"rl.{name}" for name, default in GAE_DEFAULTS.items()
+                   if getattr(rl, name) != default]
+        default = CriticConfig()
+        changed += [f"rl.critic.{f.name}" for f in dataclasses.fields(CriticConfig)
+                    if getattr(rl.critic, f.name) != getattr(default, f.name)]
+        if changed:
+            raise ValueError(
+                f"{', '.join(changed)} set with rl.advantage={rl.advantage}: only "
+                "rl.advantage=gae has a critic and GAE; set rl.advantage=gae, or leave "
+                "them at their defaults")
+        return
+    if rl.critic.warmup_steps >= rl.steps:
+        raise ValueError(
+            f"rl.critic.warmup_steps={rl.critic.warmup_steps} with rl.steps={rl.steps}: the "
+            "policy would never move; set rl.critic.warmup_steps below rl.steps")

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from moerl.models.arch import MoEArch
 from moerl.trainer.config import OptimConfig
-
-if TYPE_CHECKING:
-    from moerl.rl.config import RLConfig
 
 GAE_DEFAULTS = {"gae_gamma": 1.0, "gae_lambda": 0.95}
 # Architecture fields a critic may not change: it reads the policy's token ids.
@@ -86,27 +83,3 @@ class CriticConfig:
         min_lr = min(policy.min_lr, lr) if self.min_lr is None else self.min_lr
         clip = policy.clip_grad if self.clip_grad is None else self.clip_grad
         return dataclasses.replace(policy, lr=lr, min_lr=min_lr, clip_grad=clip)
-
-
-def check_gae(rl: RLConfig) -> None:
-    """GAE's fields: in range, set only with rl.advantage=gae, a warm-up that ends."""
-    for name in GAE_DEFAULTS:
-        value = getattr(rl, name)
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"rl.{name}: must be in [0, 1], got {value}")
-    if rl.advantage != "gae":
-        changed = [f"rl.{name}" for name, default in GAE_DEFAULTS.items()
-                   if getattr(rl, name) != default]
-        default = CriticConfig()
-        changed += [f"rl.critic.{f.name}" for f in dataclasses.fields(CriticConfig)
-                    if getattr(rl.critic, f.name) != getattr(default, f.name)]
-        if changed:
-            raise ValueError(
-                f"{', '.join(changed)} set with rl.advantage={rl.advantage}: only "
-                "rl.advantage=gae has a critic and GAE; set rl.advantage=gae, or leave "
-                "them at their defaults")
-        return
-    if rl.critic.warmup_steps >= rl.steps:
-        raise ValueError(
-            f"rl.critic.warmup_steps={rl.critic.warmup_steps} with rl.steps={rl.steps}: the "
-            "policy would never move; set rl.critic.warmup_steps below rl.steps")

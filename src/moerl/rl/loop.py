@@ -28,6 +28,7 @@ from moerl.data.rl_batch import RLSample
 from moerl.observability import MetricsLogger, StepTimer
 from moerl.rewards.client import RewardClient
 from moerl.rl.agent_collect import AgentCollector, episode_metrics, group_samples
+from moerl.rl.batch import Batch
 from moerl.rl.config import RLConfig
 from moerl.rl.domains import (
     DomainRun,
@@ -69,12 +70,6 @@ class Controller:
     def generation(self) -> Generation:
         return Generation(self.engines, self.judges, self.encode, self.stop_token_ids,
                           self.runs, self.episodes)
-
-
-@dataclass
-class Batch:
-    samples: list[RLSample]
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def collect(ctl: Controller, cfg: RLConfig, step: int) -> Batch:

@@ -1,6 +1,6 @@
 """Trainer -> rollout servers: publish new weights, tell every server to load them.
 
-Two filesystem strategies, chosen from `rollout.engine` by `build_weight_sync`:
+Two filesystem strategies, chosen from `rollout.engine` by `weight_sync_build.build_weight_sync`:
 
 - `FilesystemWeightSync` (our own servers): all trainer ranks write the Megatron
   weights together to `<root>/v<version>` (atomic; see models.weights), then the
@@ -33,7 +33,6 @@ import torch.distributed as dist
 
 from moerl.models.arch import MoEArch
 from moerl.models.weights import unwrap_model
-from moerl.rollout.backends import check_engine
 from moerl.rollout.client import RolloutClient
 
 # Files of the served HF directory that are not weights and that a new version keeps.
@@ -164,37 +163,3 @@ def export_dtype(name: str) -> torch.dtype | None:
         raise ValueError(f"rollout.dtype: {name!r} is not a torch dtype; use bfloat16, "
                          "float16, float32 or auto")
     return dtype
-
-
-def build_weight_sync(engine: str, root: Path, engines: RolloutClient | None, *, keep: int = 2,
-                      hf_model_dir: str | None = None, dtype: str = "auto",
-                      mode: str = "disk", arch: MoEArch | None = None,
-                      staging_bytes: int = 256 << 20, timeout_s: float = 600.0,
-                      server_ranks: int | None = None,
-                      initial: Path | None = None) -> WeightSync:
-    """The strategy `rollout.engine` and `rl.weight_sync` need: Megatron weights for
-    moerl, an HF export then the engine's update call for vllm and sglang; with
-    `mode="memory"` each version after the first is streamed over a process group
-    instead (`server_ranks`: each server's ranks, None: they say; `staging_bytes` and
-    `timeout_s`: each rank's staging memory and each version's bound). `initial`: the
-    weights directory the first version already is (moerl servers read it there; see
-    `FilesystemWeightSync`)."""
-    if mode not in ("disk", "memory"):
-        raise ValueError(f"rl.weight_sync: {mode!r}; choose disk or memory")
-    kind = check_engine(engine)
-    disk: WeightSync
-    if kind == "moerl":
-        disk = FilesystemWeightSync(root, engines, keep, initial)
-    else:
-        disk = HFExportWeightSync(root, engines, keep, served_dir=hf_model_dir,
-                                  dtype=export_dtype(dtype))
-    if mode == "disk":
-        return disk
-    from moerl.rl.weight_stream import MemoryWeightSync
-
-    assert arch is not None, "rl.weight_sync=memory needs the architecture"
-    hf_config = disk.base_config if isinstance(disk, HFExportWeightSync) else None
-    return MemoryWeightSync(disk, engines, arch, engine=kind,
-                            server_ranks=None if kind == "moerl" else (server_ranks or 1),
-                            staging_bytes=staging_bytes, timeout_s=timeout_s,
-                            hf_config=hf_config, hf_dtype=export_dtype(dtype))

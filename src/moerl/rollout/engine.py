@@ -65,7 +65,7 @@ class RolloutEngine(Protocol):
 class MegatronEngine(WeightUpdates):
     """`RolloutEngine` on the `GPTModel` this process holds: the whole model, or with
     `ranks` this rank's shard of it (see `rollout.ranks`; then this engine is the
-    leader's, or a follower's driven by `ranks.follow`)."""
+    leader's, or a follower's driven by `follower.follow`)."""
 
     def __init__(self, model: GPTModel, tokenizer: Tokenizer, max_sequence_length: int,
                  options: EngineOptions | None = None, weight_version: int = 0,
@@ -206,7 +206,7 @@ class MegatronEngine(WeightUpdates):
 
         Across ranks a leader whose step fails cannot bring the other ranks back in step
         (they wait in the step's collectives): it ends the job, as a failing follower does
-        (`ranks.follow`), and torchrun stops the rest."""
+        (`follower.follow`), and torchrun stops the rest."""
         assert self.runner is not None
         with self.lock:
             if self.ranks is None:

@@ -25,11 +25,9 @@ take the tokens sampled by its first rank (`agree_in_replica`).
 from __future__ import annotations
 
 import logging
-import os
-import signal
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -37,9 +35,6 @@ import torch.distributed as dist
 from moerl.parallel.layout import LayoutError, ModelShape, ParallelLayout
 from moerl.rollout.types import GenerationRequest
 from moerl.rollout.weight_group import GroupSpec, Manifest
-
-if TYPE_CHECKING:
-    from moerl.rollout.engine import MegatronEngine
 
 
 class WeightLoadError(RuntimeError):
@@ -194,43 +189,3 @@ class RolloutRanks:
         flag = torch.tensor([int(ok)])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
-
-
-def follow(engine: MegatronEngine, ranks: RolloutRanks) -> None:
-    """A follower's life: run the leader's commands until it says stop.
-
-    A follower that fails cannot answer the leader's next collective, so it ends the
-    job (torchrun then stops every rank) instead of leaving the leader waiting. A
-    stop signal (torchrun passes one to every rank) ends it at once: it holds nothing
-    that is not on disk."""
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    try:
-        while True:
-            command = ranks.receive()
-            if command.kind == "stop":
-                return
-            if command.kind == "tick":
-                assert engine.runner is not None
-                engine.runner.tick(command.assignments, command.forward)
-            elif command.kind == "generate":
-                engine.run_batch(list(command.requests))
-            else:
-                try:
-                    _update(engine, command)
-                except WeightLoadError as exc:  # every rank kept the old weights
-                    log.warning("%s", exc)
-    except Exception:
-        log.exception("rollout rank %d failed; ending the server", ranks.rank)
-        os._exit(1)
-
-
-def _update(engine: MegatronEngine, command: Command) -> None:
-    """A follower's part of a weight update (`join`, `receive` or `load`)."""
-    if command.kind == "join":
-        assert command.group is not None
-        engine.join_on_every_rank(command.group)
-    elif command.kind == "receive":
-        assert command.manifest is not None
-        engine.receive_on_every_rank(command.manifest)
-    else:
-        engine.load_on_every_rank(command.path, command.version)

@@ -40,6 +40,7 @@ from moerl.rendezvous import announce as announce_endpoint
 from moerl.rollout.batching import BatchScheduler
 from moerl.rollout.continuous_scheduler import ContinuousScheduler
 from moerl.rollout.engine import EngineBroken, EngineOptions, MegatronEngine, build_engine
+from moerl.rollout.follower import follow
 from moerl.rollout.openai_api import (
     CompletionBody,
     GroupBody,
@@ -49,7 +50,6 @@ from moerl.rollout.openai_api import (
     to_response,
 )
 from moerl.rollout.options import BACKENDS, STATIC_BATCH
-from moerl.rollout.ranks import follow
 from moerl.rollout.speculative.config import SPECULATIVE_MODES, SpeculativeConfig
 from moerl.rollout.types import LOGPROB_MODES, RequestError
 from moerl.rollout.weight_group import GroupSpec, Manifest

@@ -59,6 +59,37 @@ def package_graph(root: Path = SRC, top: str = "moerl") -> dict[str, set[str]]:
     return graph
 
 
+def module_graph(root: Path = SRC, top: str = "moerl") -> dict[str, set[str]]:
+    """Every module (file) of `top` -> the modules of `top` it imports. `from a import b`
+    counts as importing `a.b` when that is a module, else `a`."""
+    paths = {module_name(path, root): path for path in (root / top).rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in paths}
+    for name, path in paths.items():
+        for target in _imported_files(path, root):
+            if target in paths and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def _imported_files(path: Path, root: Path) -> Iterator[str]:
+    """As `imported_modules`, but `from a import b` yields only `a.b` when that is a
+    file (the package `a` is then only the way to it, as for `import a.b`)."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                sub = root / Path(*base.split("."), alias.name)
+                is_file = sub.with_suffix(".py").is_file() or (sub / "__init__.py").is_file()
+                yield f"{base}.{alias.name}" if is_file else base
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One cycle as a path [a, b, ..., a], or None when the graph is acyclic."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done

@@ -10,9 +10,10 @@ from moerl.agent.suite import select_tasks
 from moerl.config import load_run_config
 from moerl.data.code_tasks import HELD_OUT_NAMES, OPERATOR_WORDS, TRAIN_NAMES, make_tasks
 from moerl.data.domains.registry import domain_records
-from moerl.data.prompts import DataConfig, PromptRecord, load_prompts
+from moerl.data.prompt_sources import load_prompts
+from moerl.data.prompts import DataConfig, PromptRecord
 from moerl.data.sft import instruction_examples
-from moerl.data.tokenizer import build_tokenizer
+from moerl.data.tokenizer_build import build_tokenizer
 from moerl.rl.agent_collect import terminal_source
 
 

@@ -16,7 +16,8 @@ from tokenizer_dirs import CHATML, make_tokenizer_dir
 from moerl.data.chat import ChatError, encode_prompt, render
 from moerl.data.prompts import DatasetError, parse_row
 from moerl.data.sft import SFTDataError, instruction_examples, sft_batch
-from moerl.data.tokenizer import HFTokenizer, TokenizerConfig, build_tokenizer
+from moerl.data.tokenizer import HFTokenizer, TokenizerConfig
+from moerl.data.tokenizer_build import build_tokenizer
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add 1 and 2."},
         {"role": "assistant", "content": "3"}, {"role": "user", "content": "And 2 and 2?"},

@@ -12,7 +12,8 @@ from moerl.config import load_run_config
 from moerl.data.domain_config import DomainConfig
 from moerl.data.domains.registry import domain_records
 from moerl.data.mixture import MixtureStream
-from moerl.data.prompts import DataConfig, DatasetError, PromptRecord, load_prompts
+from moerl.data.prompt_sources import load_prompts
+from moerl.data.prompts import DataConfig, DatasetError, PromptRecord
 from moerl.typed_config import ConfigError
 
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from moerl.data.prompts import DataConfig, DatasetError, PromptRecord, PromptStream, load_prompts
+from moerl.data.prompt_sources import load_prompts
+from moerl.data.prompts import DataConfig, DatasetError, PromptRecord, PromptStream
 
 
 def _records(size: int = 7, seed: int = 0) -> list[PromptRecord]:

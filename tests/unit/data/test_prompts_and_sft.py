@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from moerl.data.prompts import DataConfig, DatasetError, PromptStream, load_prompts
+from moerl.data.prompt_sources import load_prompts
+from moerl.data.prompts import DataConfig, DatasetError, PromptStream
 from moerl.data.sft import encode_example, sft_batch
 from moerl.data.tokenizer import ByteTokenizer
 

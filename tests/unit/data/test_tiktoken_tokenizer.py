@@ -14,7 +14,8 @@ import pytest
 from moerl.config import load_run_config
 from moerl.data.chat import encode_prompt, render
 from moerl.data.tiktoken_tokenizer import RESERVED_SPECIALS, TiktokenTokenizer
-from moerl.data.tokenizer import TokenizerConfig, build_tokenizer
+from moerl.data.tokenizer import TokenizerConfig
+from moerl.data.tokenizer_build import build_tokenizer
 
 # Kimi-K2's chat template, in its shape: role markers, the content, <|im_end|>.
 TEMPLATE = (

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from moerl.data.code_tasks import Confusion, make_tasks, noisy_demonstration
-from moerl.data.prompts import DataConfig, load_prompts
+from moerl.data.prompt_sources import load_prompts
+from moerl.data.prompts import DataConfig
 from moerl.data.tokenizer import ByteTokenizer
 
 

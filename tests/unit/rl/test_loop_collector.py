@@ -12,8 +12,9 @@ import torch
 from moerl.data.prompts import PromptStream
 from moerl.data.rl_batch import RLSample
 from moerl.observability import LoggerConfig, MetricsLogger, read_metrics
+from moerl.rl.batch import Batch
 from moerl.rl.config import RLConfig
-from moerl.rl.loop import Batch, Controller, train
+from moerl.rl.loop import Controller, train
 
 
 class RecordingPolicy:

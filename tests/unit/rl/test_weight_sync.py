@@ -20,12 +20,8 @@ import torch
 
 from moerl.models.arch import MoEArch
 from moerl.parallel.layout import ParallelLayout
-from moerl.rl.weight_sync import (
-    FilesystemWeightSync,
-    HFExportWeightSync,
-    build_weight_sync,
-    export_dtype,
-)
+from moerl.rl.weight_sync import FilesystemWeightSync, HFExportWeightSync, export_dtype
+from moerl.rl.weight_sync_build import build_weight_sync
 from moerl.rollout.client import RolloutClient, RolloutClientConfig
 
 pytest.importorskip("transformers")

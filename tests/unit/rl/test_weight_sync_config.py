@@ -10,7 +10,8 @@ import pytest
 from moerl.config import load_run_config
 from moerl.models.arch import TINY
 from moerl.rl.weight_stream import MemoryWeightSync
-from moerl.rl.weight_sync import FilesystemWeightSync, HFExportWeightSync, build_weight_sync
+from moerl.rl.weight_sync import FilesystemWeightSync, HFExportWeightSync
+from moerl.rl.weight_sync_build import build_weight_sync
 from moerl.typed_config import ConfigError
 
 

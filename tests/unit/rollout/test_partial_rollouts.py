@@ -20,7 +20,8 @@ from moerl.models.arch import TINY
 from moerl.models.build import build_model
 from moerl.models.weights import save_weights
 from moerl.parallel.layout import ParallelLayout
-from moerl.rl.loop import Batch, drop_stale
+from moerl.rl.batch import Batch
+from moerl.rl.loop import drop_stale
 from moerl.rollout.batching import BatchScheduler
 from moerl.rollout.engine import EngineOptions, MegatronEngine
 from moerl.rollout.openai_api import CompletionBody, to_response
