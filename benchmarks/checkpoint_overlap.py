@@ -16,6 +16,7 @@ bound for a GPU rank, whose step does not run on the host.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from _smoke import parse_with_smoke
 
 from moerl.models.arch import TINY
@@ -42,10 +44,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="wide", choices=list(SIZES))
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="the step's threads (0: torch's default, every core); a GPU "
+                             "rank's step leaves the host's cores to the writer, which "
+                             "--threads 1 on 2 cores imitates")
     return parse_with_smoke(parser, SMOKE, argv)
 
 
-def measure(size: str, repeats: int) -> dict[str, list[float]]:
+def measure(size: str, repeats: int, threads: int = 0) -> dict[str, list[float]]:
     from moerl.checkpoint.checkpointer import Checkpointer
     from moerl.checkpoint.config import CheckpointConfig, Fingerprints
     from moerl.data.synthetic import SyntheticCorpus
@@ -57,6 +63,8 @@ def measure(size: str, repeats: int) -> dict[str, list[float]]:
     from moerl.trainer.optimizer import build_optimizer
     from moerl.trainer.step import train_step
 
+    if threads:
+        torch.set_num_threads(threads)
     arch, layout = SIZES[size], ParallelLayout()
     groups = init_parallel(layout, seed=0)
     trainable = build_optimizer(build_model(arch, layout), OptimConfig(), layout)
@@ -99,7 +107,7 @@ def measure(size: str, repeats: int) -> dict[str, list[float]]:
     return times
 
 
-def table(size: str, times: dict[str, list[float]]) -> str:
+def table(size: str, times: dict[str, list[float]], threads: int) -> str:
     med = {k: statistics.median(v) for k, v in times.items()}
     plain = med["plain"]
     rows = [
@@ -112,7 +120,8 @@ def table(size: str, times: dict[str, list[float]]) -> str:
         ("sync: save + step", med["sync_save"] + med["step_after_sync"],
          (med["sync_save"] + med["step_after_sync"]) / plain),
     ]
-    lines = [f"{TABLE_TITLE} ({size}; write still running at the step's end in "
+    lines = [f"{TABLE_TITLE} ({size}, the step on {threads} of {os.cpu_count()} cores; "
+             "write still running at the step's end in "
              f"{sum(times['still_writing']):.0f} of {len(times['still_writing'])} repeats)",
              f"{'':46} {'seconds':>9} {'x plain':>8}"]
     lines += [f"{name:46} {seconds:9.3f} {ratio:8.2f}" for name, seconds, ratio in rows]
@@ -121,7 +130,8 @@ def table(size: str, times: dict[str, list[float]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> Any:
     args = parse_args(argv)
-    print(table(args.size, measure(args.size, args.repeats)))
+    print(table(args.size, measure(args.size, args.repeats, args.threads),
+                args.threads or torch.get_num_threads()))
 
 
 if __name__ == "__main__":  # the checkpoint writer's helper needs the guard

@@ -11,8 +11,10 @@ Megatron-core's own caller forks the rank instead: the child sees the state as i
 was through copy-on-write, and every page the training then writes is duplicated,
 which on a host holding the model is the rank's whole memory, not its shard; and a
 child outlives a rank killed with SIGKILL. A thread shares the rank's fate and its
-memory. The file writes and the hashing release the GIL, so the thread costs the
-training loop little (`benchmarks/checkpoint_overlap.py` measures it).
+memory. The file writes and the hashing release the GIL, and the thread runs at the
+lowest CPU priority (nice 19, Linux schedules threads apart), so it takes the cores
+only when the training loop leaves them idle: the write takes longer, the steps run
+at their pace (`benchmarks/checkpoint_overlap.py` measures both).
 
 `ThreadCallsQueue` is Megatron's `AsyncCallsQueue` (requests, finalisation once every
 rank is done, errors raised on every rank) with this caller in place of the fork.
@@ -20,7 +22,10 @@ rank is done, errors raised on every rank) with this caller in place of the fork
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,6 +53,19 @@ def staged_bytes(write_buckets: list[Any]) -> int:
     return sum(t.nbytes for _, _, (_, tensors) in write_buckets for _, t in tensors)
 
 
+WRITER_NICENESS = 19
+
+
+def _at_lowest_priority(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, run by a thread that first lowers its own CPU priority (not the rank's)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        # Elsewhere than Linux a thread shares its process's priority: left as it is.
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+        return fn(*args, **kwargs)
+    return run
+
+
 class ThreadAsyncCaller(AsyncCaller):
     """Runs one request's write in a thread of this rank."""
 
@@ -60,7 +78,7 @@ class ThreadAsyncCaller(AsyncCaller):
         args = list(async_req.async_fn_args)
         if async_req.preload_fn is not None:
             args[1] = async_req.preload_fn()  # the staged copy: the thread's alone
-        self.thread = threading.Thread(target=async_req.async_fn, args=args,
+        self.thread = threading.Thread(target=_at_lowest_priority(async_req.async_fn), args=args,
                                        kwargs=async_req.async_fn_kwargs,
                                        name="checkpoint-writer", daemon=True)
         self.thread.start()
