@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -27,10 +27,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from local_servers import rollout_server
 from sandbox_owners import SandboxOwners
 
+from moerl.data.prompts import PromptStream
 from moerl.data.rl_batch import pack, plan_microbatches
 from moerl.data.tokenizer import ByteTokenizer
-from moerl.rl.agent_collect import build_agent_collector
+from moerl.rl.agent_collect import agent_task_records, build_agent_collector
 from moerl.rl.config import AgentTasksConfig, RLConfig
+from moerl.rl.domains import Generation
+from moerl.rl.loop import collect
 from moerl.rollout.client import RolloutClient
 from moerl.sandbox import Sandbox, SandboxConfig
 
@@ -54,8 +57,10 @@ def test_agent_collect_trains_only_on_model_tokens(rollout: RolloutClient) -> No
     cfg = RLConfig(prompts_per_step=2, group_size=2, dynamic_sampling=False, seed=1,
                    task_source="agent", agent=agent)  # fmt: skip
     collector = build_agent_collector(cfg, 1024, TOK, Sandbox(SandboxConfig()))
-    ctl: Any = SimpleNamespace(engines=rollout)
-    batch = collector(ctl, cfg, step=0)
+    ctl: Any = SimpleNamespace(
+        prompts=PromptStream(agent_task_records(agent), seed=1), episodes=collector,
+        generation=lambda: Generation(rollout, cast(Any, None), lambda r: [], (), {}, collector))
+    batch = collect(ctl, cfg, step=0)  # the loop's own collect
     trajs = [t for g in collector.last_groups for t in g]
     assert len(batch.samples) == len(trajs) == 4
     assert sorted({t.task_id for t in trajs}) == sorted(SIMPLE)  # 2 tasks x 2 episodes

@@ -33,7 +33,12 @@ from moerl.observability import MetricsLogger, read_metrics
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
 from moerl.rendezvous import ENV_RENDEZVOUS, read_endpoints, request_requeue
 from moerl.rewards.client import RewardClient
-from moerl.rl.agent_collect import EPISODE, terminal_source
+from moerl.rl.agent_collect import (
+    EPISODE,
+    agent_task_records,
+    build_agent_collector,
+    terminal_source,
+)
 from moerl.rl.domains import domain_runs
 from moerl.rl.loop import Controller, train
 from moerl.rl.policy import Policy
@@ -180,21 +185,17 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
                           resolve_precision(cfg.precision), cfg.recompute)
     state = ckpt.load(policy) if ckpt else None
     first = state.next_step if state else 0
-    ctl = _controller(cfg, dirs.root, records, held_out, tok) if groups.rank == 0 else None
-    if ctl is not None:
+    ctl = None
+    if groups.rank == 0:
+        agent = cfg.rl.task_source == "agent"
+        # rl.task_source=agent: the selected terminal tasks are the RL prompts (the data
+        # group's prompts are SFT's, and its held-out ones are code tasks, not agent tasks)
+        ctl = (_controller(cfg, dirs.root, agent_task_records(cfg.rl.agent), [], tok) if agent
+               else _controller(cfg, dirs.root, records, held_out, tok))
         if state is not None:
             ctl.prompts.restore(state.prompts, strict=not cfg.checkpoint.allow_changed_data)
         ctl.logger.drop_from(first)  # rows a killed attempt logged after its checkpoint
-        if cfg.rl.task_source == "agent":  # terminal episodes, not prompts
-            from moerl.rl.agent_collect import build_agent_collector
-
-            ctl.collector = build_agent_collector(
-                cfg.rl, cfg.model.max_position_embeddings, tok,
-                environment_servers=_environment_servers(cfg, dirs.root))
-            ctl.held_out = []  # the held-out prompts are code tasks, not agent tasks
-        elif any(r.reward == EPISODE for r in records):  # a mixture's terminal domain
-            from moerl.rl.agent_collect import build_agent_collector
-
+        if agent or any(r.reward == EPISODE for r in records):  # episodes, in this round
             ctl.episodes = build_agent_collector(
                 cfg.rl, cfg.model.max_position_embeddings, tok,
                 environment_servers=_environment_servers(cfg, dirs.root))

@@ -1,15 +1,16 @@
-"""The RL loop's collect step for agent episodes (`rl.task_source=agent`).
+"""Agent episodes as groups of the RL loop: `rl.task_source=agent`, and a mixture's
+`terminal` domain.
 
-Per round: pick `rl.prompts_per_step` tasks from the shipped suite (a seeded choice
-per step, so a resumed run picks the same ones), run each `rl.group_size` times
-through the agent scheduler against the rollout servers, with commands in the real
-sandbox (on the environment servers, `moerl serve env`, or with `environments.servers=0`
-in this process), and score every episode with its task's verifier. An episode becomes one
-training sequence (trajectory.py): the prompt, then the model's tokens (loss mask 1,
-the engine's logprobs) interleaved with observations (loss mask 0). Advantages are
-computed per group of the same task, as for single-shot prompts. Infra failures are
-never trained on, only counted; with dynamic sampling, groups whose rewards are all
-equal are dropped and more rounds run, up to `rl.max_generation_rounds`.
+A terminal task is a prompt record (`reward` "episode", `spec["task"]` its id); the
+loop's one collect path (`loop.collect` -> `domains.run_round`) hands such records to
+the `AgentCollector`, which runs each `group_size` times through the agent scheduler
+against the rollout servers, with commands in the real sandbox (on the environment
+servers, `moerl serve env`, or with `environments.servers=0` in this process), and
+grades every episode with its task's check. An `EpisodeGroup` becomes training
+sequences (trajectory.py): the prompt, then the model's tokens (loss mask 1, the
+engine's logprobs) interleaved with observations (loss mask 0); advantages per group
+of the same task, as for single-shot prompts. Infra failures are never trained on,
+only counted.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import hashlib
 import random
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -33,11 +34,11 @@ from moerl.data.domains import Generator
 from moerl.data.prompts import PromptRecord
 from moerl.data.rl_batch import RLSample
 from moerl.data.tokenizer import Tokenizer
-from moerl.observability import StepTimer
-from moerl.rl.batch import Batch, HasEngines
 from moerl.rl.config import AgentTasksConfig, RLConfig
-from moerl.rl.scoring import advantages, has_spread
+from moerl.rl.group import Outcome, has_spread
+from moerl.rl.scoring import advantages
 from moerl.rollout.client import RolloutClient
+from moerl.rollout.types import Sample
 from moerl.sandbox import Sandbox, SandboxConfig
 from moerl.typed_config import ConfigError
 
@@ -45,64 +46,74 @@ EPISODE = "episode"
 """The `reward` of a terminal-domain record: graded by its task's check in the episode."""
 
 
-def pick_tasks(tasks: Sequence[SuiteTask], count: int, seed: int) -> list[AgentTask]:
-    """`count` tasks drawn without replacement (cycling when count exceeds the suite)."""
-    rng = random.Random(seed)
-    order: list[SuiteTask] = []
-    while len(order) < count:
-        order += rng.sample(list(tasks), len(tasks))
-    return [t.task for t in order[:count]]
-
-
-def group_samples(groups: Sequence[Sequence[Trajectory]], cfg: RLConfig,
-                  loss_on_truncated_context: bool, first_group_id: int = 0) -> list[RLSample]:
-    """Training samples with group advantages; infra failures and episodes without a
-    single loss token are left out of their group (fewer than 2 left: no group)."""
-    out: list[RLSample] = []
-    for gid, group in enumerate(groups, start=first_group_id):
-        records: list[AgentSample] = []
-        for traj in group:
-            if traj.is_infra_failure:
-                continue
-            rec = traj.to_record(loss_on_truncated_context=loss_on_truncated_context)
-            if any(rec.loss_mask):
-                records.append(rec)
-        if len(records) < 2:
+def episode_samples(group: Sequence[Trajectory], cfg: RLConfig, loss_on_truncated_context: bool,
+                    group_id: int) -> list[RLSample]:
+    """One group's training samples with group advantages; infra failures and episodes
+    without a single loss token are left out (fewer than 2 left: none)."""
+    records: list[AgentSample] = []
+    for traj in group:
+        if traj.is_infra_failure:
             continue
-        rewards = torch.tensor([[r.reward for r in records]], dtype=torch.float32)
-        for rec, adv in zip(records, advantages(rewards, cfg.advantage)[0].tolist(), strict=True):
-            out.append(rec.to_rl_sample(advantage=float(adv), group_id=gid))
-    return out
+        rec = traj.to_record(loss_on_truncated_context=loss_on_truncated_context)
+        if any(rec.loss_mask):
+            records.append(rec)
+    if len(records) < 2:
+        return []
+    rewards = torch.tensor([[r.reward for r in records]], dtype=torch.float32)
+    return [rec.to_rl_sample(advantage=float(adv), group_id=group_id)
+            for rec, adv in zip(records, advantages(rewards, cfg.advantage)[0].tolist(),
+                                strict=True)]
 
 
-def informative(group: Sequence[Trajectory]) -> bool:
-    return has_spread([t.reward for t in group])
+@dataclass
+class EpisodeGroup:
+    """A terminal task's episodes, graded by the task's check (a `Group`)."""
+
+    record: PromptRecord
+    trajectories: list[Trajectory]
+    loss_on_truncated_context: bool = False
+
+    @property
+    def samples(self) -> Sequence[Sample]:
+        return ()
+
+    def rewards(self, cfg: RLConfig | None = None) -> list[float | None]:
+        return [None if t.is_infra_failure else t.reward for t in self.trajectories]
+
+    @property
+    def informative(self) -> bool:
+        return has_spread(self.rewards())
+
+    def outcomes(self) -> list[Outcome]:
+        return [Outcome(None if t.is_infra_failure else t.reward, model_tokens(t),
+                        bool(t.truncations) or t.status != "submitted",
+                        t.status == "submitted") for t in self.trajectories]
+
+    def to_samples(self, cfg: RLConfig, group_id: int) -> list[RLSample]:
+        return episode_samples(self.trajectories, cfg, self.loss_on_truncated_context,
+                               group_id)
 
 
-def episode_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
-    trajs = [t for g in groups for t in g]
-    scored = [t for t in trajs if t.reward is not None]
-    model_tokens = [sum(len(s.token_ids) for s in t.segments if s.role == "model") for t in trajs]
+def model_tokens(traj: Trajectory) -> int:
+    return sum(len(s.token_ids) for s in traj.segments if s.role == "model")
 
+
+def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """The agent/* series over a step's episodes (rewards and lengths: `group_metrics`)."""
     def mean(values: Sequence[float]) -> float:
         return statistics.fmean(values) if values else 0.0
 
     return {
-        "reward/mean": mean([t.reward for t in scored if t.reward is not None]),
-        "reward/pass_rate": mean([t.reward == 1.0 for t in scored]),
-        "reward/infra_errors": float(len(trajs) - len(scored)),
-        "rollout/response_length": mean(model_tokens),
-        "rollout/informative_groups": float(sum(informative(g) for g in groups)),
-        "agent/turns": mean([t.model_turns for t in trajs]),
-        "agent/episode_tokens": mean([t.num_tokens for t in trajs]),
-        "agent/submitted": mean([t.status == "submitted" for t in trajs]),
-        "agent/env_faults": float(sum(t.env_faults for t in trajs)),
-        "agent/truncations": float(sum(len(t.truncations) for t in trajs)),
+        "agent/turns": mean([t.model_turns for t in trajectories]),
+        "agent/episode_tokens": mean([t.num_tokens for t in trajectories]),
+        "agent/submitted": mean([t.status == "submitted" for t in trajectories]),
+        "agent/env_faults": float(sum(t.env_faults for t in trajectories)),
+        "agent/truncations": float(sum(len(t.truncations) for t in trajectories)),
     }
 
 
 class AgentCollector:
-    """`collector(ctl, cfg, step) -> Batch`: the loop's collect over agent episodes."""
+    """Runs terminal tasks' episodes for the loop's rounds (`domains.run_round`)."""
 
     def __init__(self, tasks: Sequence[SuiteTask], sandbox: Sandbox | None, tokenizer: Tokenizer,
                  config: AgentTasksConfig, servers: EnvironmentServers | None = None) -> None:
@@ -115,7 +126,7 @@ class AgentCollector:
         self._by_id = {t.id: t.task for t in self.tasks}
         self.tokenizer, self.config = tokenizer, config
         self.last_groups: list[list[Trajectory]] = []
-        """The groups the last call trained on (for inspection and tests)."""
+        """The groups `run_groups` last ran (for inspection and tests)."""
 
     def _scheduler_config(self, cfg: RLConfig, seed: int) -> SchedulerConfig:
         a = self.config
@@ -141,7 +152,8 @@ class AgentCollector:
         if temperature is not None:
             config = replace(config, temperature=temperature)
         trajs = AgentScheduler(engines, self._environment, self.tokenizer, config).run(episodes)
-        return [trajs[i : i + group_size] for i in range(0, len(trajs), group_size)]
+        self.last_groups = [trajs[i : i + group_size] for i in range(0, len(trajs), group_size)]
+        return self.last_groups
 
     def task(self, task_id: str) -> AgentTask:
         """The selected task of that id (a terminal-domain record's `spec["task"]`)."""
@@ -151,21 +163,6 @@ class AgentCollector:
                              "(rl.agent.tasks / categories / task_dirs)")
         return found
 
-    def __call__(self, ctl: HasEngines, cfg: RLConfig, step: int) -> Batch:
-        timer, kept, seen = StepTimer(), list[list[Trajectory]](), list[list[Trajectory]]()
-        for round_ in range(cfg.max_generation_rounds):
-            seed = (cfg.seed * 100_003 + step) * 101 + round_
-            tasks = pick_tasks(self.tasks, cfg.prompts_per_step, seed)
-            with timer.phase("rollout"):
-                groups = self.run_groups(ctl.engines, tasks, cfg.group_size, cfg, seed)
-            seen += groups
-            kept += [g for g in groups if informative(g)] if cfg.dynamic_sampling else groups
-            if len(kept) >= cfg.prompts_per_step or not cfg.dynamic_sampling:
-                break
-        kept = self.last_groups = kept[: cfg.prompts_per_step]
-        samples = group_samples(kept, cfg, self.config.loss_on_truncated_context)
-        return Batch(samples, {**episode_metrics(seen), **timer.as_metrics()})
-
 
 def split_terminal_tasks(tasks: Sequence[SuiteTask]) -> tuple[list[SuiteTask], list[SuiteTask]]:
     """The selected tasks as (train, held out): a quarter of them (rounded down), chosen by
@@ -174,6 +171,18 @@ def split_terminal_tasks(tasks: Sequence[SuiteTask]) -> tuple[list[SuiteTask], l
     ranked = sorted(tasks, key=lambda t: hashlib.sha256(t.id.encode()).hexdigest())
     held_out = {t.id for t in ranked[: len(ranked) // 4]}
     return ([t for t in tasks if t.id not in held_out], [t for t in tasks if t.id in held_out])
+
+
+def task_records(tasks: Sequence[SuiteTask], split: str = "train",
+                 domain: str = "") -> list[PromptRecord]:
+    """A record per task: its instruction as the prompt, graded in its episodes."""
+    return [PromptRecord(uid=f"{split}-{t.id}", prompt=t.task.instruction, reward=EPISODE,
+                         spec={"task": t.id}, domain=domain) for t in tasks]
+
+
+def agent_task_records(config: AgentTasksConfig) -> list[PromptRecord]:
+    """`rl.task_source=agent`'s prompts: a record of every task `rl.agent` selects."""
+    return task_records(select_tasks(config.tasks, config.categories, config.task_dirs))
 
 
 def terminal_source(config: AgentTasksConfig) -> Generator:
@@ -192,8 +201,7 @@ def terminal_source(config: AgentTasksConfig) -> Generator:
             select_tasks(config.tasks, config.categories, config.task_dirs))
         tasks = held_out if split == "eval" else train
         random.Random(seed).shuffle(tasks)
-        return [PromptRecord(uid=f"{split}-{t.id}", prompt=t.task.instruction, reward=EPISODE,
-                             spec={"task": t.id}) for t in tasks[:count]]
+        return task_records(tasks[:count], split)
 
     return generate
 

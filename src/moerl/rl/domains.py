@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from moerl.agent.trajectory import Trajectory
 from moerl.data.domain_config import DomainConfig
 from moerl.data.prompts import PromptRecord
 from moerl.observability import StepTimer
 from moerl.rewards.client import RewardClient
-from moerl.rl.agent_collect import EPISODE, AgentCollector
+from moerl.rl.agent_collect import EPISODE, AgentCollector, EpisodeGroup
 from moerl.rl.config import RLConfig, SamplingConfig
-from moerl.rl.scoring import ScoredGroup, has_spread, score_groups
+from moerl.rl.group import Group, Outcome
+from moerl.rl.scoring import score_groups
 from moerl.rollout.client import RolloutClient
 from moerl.rollout.types import Sample
 
@@ -56,26 +56,8 @@ def domain_runs(domains: Mapping[str, DomainConfig], cfg: RLConfig) -> dict[str,
 
 
 @dataclass
-class EpisodeGroup:
-    """A terminal-domain prompt's group: its episodes, graded by the task's check."""
-
-    record: PromptRecord
-    trajectories: list[Trajectory]
-
-    def rewards(self, cfg: RLConfig | None = None) -> list[float | None]:
-        return [None if t.is_infra_failure else t.reward for t in self.trajectories]
-
-    @property
-    def informative(self) -> bool:
-        return has_spread(self.rewards())
-
-
-Group = ScoredGroup | EpisodeGroup
-
-
-@dataclass
 class Generation:
-    """What one round needs from the controller (a subset of rl.loop.Controller)."""
+    """The clients and settings one round generates with (the controller's)."""
 
     engines: RolloutClient
     judges: RewardClient
@@ -135,29 +117,10 @@ def run_round(gen: Generation, cfg: RLConfig, records: Sequence[PromptRecord], s
             tasks = [gen.episodes.task(str(records[i].spec["task"])) for i in indices]
             with timer.phase("rollout"):
                 trajs = gen.episodes.run_groups(gen.engines, tasks, n, cfg, seed, temperature)
-            groups.update({i: EpisodeGroup(records[i], t)
+            truncated_loss = gen.episodes.config.loss_on_truncated_context
+            groups.update({i: EpisodeGroup(records[i], t, truncated_loss)
                            for i, t in zip(indices, trajs, strict=True)})
     return [groups[i] for i in range(len(records))], metrics
-
-
-@dataclass(frozen=True)
-class _Outcome:
-    reward: float | None
-    length: int
-    truncated: bool
-    seconds: float | None
-
-
-def _outcomes(group: Group) -> Iterable[_Outcome]:
-    if isinstance(group, EpisodeGroup):
-        for t in group.trajectories:
-            tokens = sum(len(s.token_ids) for s in t.segments if s.role == "model")
-            yield _Outcome(None if t.is_infra_failure else t.reward, tokens,
-                           bool(t.truncations) or t.status != "submitted", None)
-        return
-    for sample, result in zip(group.samples, group.results, strict=True):
-        yield _Outcome(result.reward, len(sample.token_ids), sample.finish_reason == "length",
-                       result.seconds)
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -167,10 +130,10 @@ def _mean(values: Sequence[float]) -> float:
 def domain_metrics(groups: Sequence[Group], prefix: str = "domain_") -> dict[str, float]:
     """The per-domain series of the module docstring over `groups` (records outside a
     mixture, whose domain is "", are left out)."""
-    by_domain: dict[str, list[_Outcome]] = defaultdict(list)
+    by_domain: dict[str, list[Outcome]] = defaultdict(list)
     for group in groups:
         if group.record.domain:
-            by_domain[group.record.domain] += _outcomes(group)
+            by_domain[group.record.domain] += group.outcomes()
     out: dict[str, float] = {}
     for name, outcomes in sorted(by_domain.items()):
         scored = [o.reward for o in outcomes if o.reward is not None]
@@ -186,11 +149,3 @@ def domain_metrics(groups: Sequence[Group], prefix: str = "domain_") -> dict[str
         if seconds:
             out[f"{prefix}reward_seconds/{name}"] = _mean(seconds)
     return out
-
-
-def overall_rewards(groups: Sequence[Group]) -> dict[str, float]:
-    """reward/mean, reward/pass_rate and reward/infra_errors over every kind of group."""
-    outcomes = [o for g in groups for o in _outcomes(g)]
-    scored = [o.reward for o in outcomes if o.reward is not None]
-    return {"reward/mean": _mean(scored), "reward/pass_rate": _mean([r == 1.0 for r in scored]),
-            "reward/infra_errors": float(len(outcomes) - len(scored))}

@@ -27,21 +27,13 @@ from moerl.data.prompts import PromptRecord, PromptStream
 from moerl.data.rl_batch import RLSample
 from moerl.observability import MetricsLogger, StepTimer
 from moerl.rewards.client import RewardClient
-from moerl.rl.agent_collect import AgentCollector, episode_metrics, group_samples
+from moerl.rl.agent_collect import AgentCollector, agent_metrics
 from moerl.rl.batch import Batch
 from moerl.rl.config import RLConfig
-from moerl.rl.domains import (
-    DomainRun,
-    EpisodeGroup,
-    Generation,
-    Group,
-    domain_metrics,
-    overall_rewards,
-    run_round,
-)
+from moerl.rl.domains import DomainRun, Generation, domain_metrics, run_round
 from moerl.rl.evaluate import evaluate
+from moerl.rl.group import Group, group_metrics
 from moerl.rl.policy import Policy
-from moerl.rl.scoring import ScoredGroup, group_metrics, training_samples
 from moerl.rl.weight_sync import WeightSync
 from moerl.rollout.client import RolloutClient
 from moerl.rollout.speculative.metrics import speculation_metrics
@@ -60,12 +52,11 @@ class Controller:
     logger: MetricsLogger
     stop_token_ids: tuple[int, ...] = ()
     """Ids that end a generation besides the servers' EOS (the tokenizer's end of turn)."""
-    collector: Callable[[Controller, RLConfig, int], Batch] | None = None
-    """Replaces the prompt collect below, e.g. agent episodes (rl/agent/collect.py)."""
     runs: dict[str, DomainRun] = field(default_factory=dict)
     """A mixture's domains: group size and sampling of each (`data.domains`)."""
     episodes: AgentCollector | None = None
-    """Runs a mixture's terminal-domain prompts as agent episodes."""
+    """Runs terminal-task records as agent episodes (`rl.task_source=agent`, or a
+    mixture's terminal domain)."""
 
     def generation(self) -> Generation:
         return Generation(self.engines, self.judges, self.encode, self.stop_token_ids,
@@ -73,9 +64,11 @@ class Controller:
 
 
 def collect(ctl: Controller, cfg: RLConfig, step: int) -> Batch:
-    """Generate, score and filter until the step has its groups (or rounds run out)."""
-    if ctl.collector is not None:
-        return ctl.collector(ctl, cfg, step)
+    """Generate, score and filter until the step has its groups (or rounds run out).
+
+    The one collect path: single-shot prompts, agent tasks (`rl.task_source=agent`) and
+    a mixture's terminal domain are all records of the prompt stream, each round's
+    groups whatever produced them (rl/group.py)."""
     timer, kept, seen = StepTimer(), list[Group](), list[Group]()
     reward_metrics: dict[str, float] = {}
     for _ in range(cfg.max_generation_rounds):
@@ -89,21 +82,12 @@ def collect(ctl: Controller, cfg: RLConfig, step: int) -> Batch:
         if len(kept) >= cfg.prompts_per_step or not cfg.dynamic_sampling:
             break
     kept = kept[: cfg.prompts_per_step]
-    prompt_groups = [g for g in seen if isinstance(g, ScoredGroup)]
-    episode_groups = [g for g in seen if isinstance(g, EpisodeGroup)]
-    metrics = {**group_metrics(prompt_groups, cfg), **reward_metrics, **timer.as_metrics(),
-               **speculation_metrics(s for g in prompt_groups for s in g.samples),
+    metrics = {**group_metrics(seen, cfg), **reward_metrics, **timer.as_metrics(),
+               **speculation_metrics(s for g in seen for s in g.samples),
                **domain_metrics(seen), **ctl.prompts.metrics()}
-    if episode_groups:  # a mixture's terminal domain: its agent/* series, and the
-        # overall rewards over prompts and episodes alike
-        metrics |= {k: v for k, v in episode_metrics([g.trajectories for g in episode_groups])
-                    .items() if k.startswith("agent/")} | overall_rewards(seen)
-    plain = [g for g in kept if isinstance(g, ScoredGroup)]
-    samples = training_samples(plain, cfg)
-    if ctl.episodes is not None:
-        samples += group_samples([g.trajectories for g in kept if isinstance(g, EpisodeGroup)],
-                                 cfg, ctl.episodes.config.loss_on_truncated_context,
-                                 first_group_id=len(plain))
+    if episodes := [t for g in seen for t in g.trajectories]:
+        metrics |= agent_metrics(episodes)
+    samples = [s for gid, g in enumerate(kept) for s in g.to_samples(cfg, gid)]
     if cfg.routing_replay:  # the share of samples the update replays the engine's routing for
         metrics["rollout/routed_samples"] = (
             sum(s.routed_experts is not None for s in samples) / len(samples) if samples else 0.0)

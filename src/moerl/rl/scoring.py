@@ -7,23 +7,26 @@ counted in `reward/infra_errors`.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from moerl.agent.trajectory import Trajectory
 from moerl.data.prompts import PromptRecord
 from moerl.data.rl_batch import RLSample
 from moerl.rewards.client import RewardClient, ScoreItem
 from moerl.rewards.protocol import RewardResult
 from moerl.rl.advantages import group_normalized, rloo
 from moerl.rl.config import RLConfig
+from moerl.rl.group import Outcome, has_spread
 from moerl.rollout.types import Sample
 
 
 @dataclass
 class ScoredGroup:
+    """A single-shot prompt's samples and the reward servers' results (a `Group`)."""
+
     record: PromptRecord
     samples: list[Sample]
     results: list[RewardResult]
@@ -38,15 +41,38 @@ class ScoredGroup:
         return out
 
     @property
+    def trajectories(self) -> Sequence[Trajectory]:
+        return ()
+
+    @property
     def informative(self) -> bool:
         return has_spread(self.rewards())
 
+    def outcomes(self) -> list[Outcome]:
+        return [Outcome(result.reward, len(sample.token_ids), sample.finish_reason == "length",
+                        sample.finish_reason == "stop", result.seconds, result.compile_ok)
+                for sample, result in zip(self.samples, self.results, strict=True)]
 
-def has_spread(rewards: Sequence[float | None]) -> bool:
-    """Whether a group's rewards differ (at least two scored, not all equal): only then
-    do group-relative advantages give it a gradient."""
-    valid = [r for r in rewards if r is not None]
-    return len(valid) >= 2 and max(valid) > min(valid)
+    def to_samples(self, cfg: RLConfig, group_id: int) -> list[RLSample]:
+        """Samples with advantages; infra-error samples are left out of their group."""
+        pairs = [(s, r) for s, r in zip(self.samples, self.rewards(cfg), strict=True)
+                 if r is not None]
+        if len(pairs) < 2:
+            return []
+        adv = advantages(torch.tensor([[r for _, r in pairs]], dtype=torch.float32),
+                         cfg.advantage)
+        return [RLSample(
+            prompt_ids=torch.tensor(sample.prompt_token_ids, dtype=torch.int64),
+            completion_ids=torch.tensor(sample.token_ids, dtype=torch.int64),
+            advantage=float(a),
+            rollout_logprobs=torch.tensor(sample.logprobs, dtype=torch.float32),
+            reward=reward,
+            weight_version=sample.weight_version,
+            group_id=group_id,
+            routed_experts=routed_tensor(sample),
+            token_versions=None if sample.token_versions is None
+            else torch.tensor(sample.token_versions, dtype=torch.int64),
+        ) for (sample, reward), a in zip(pairs, adv[0].tolist(), strict=True)]
 
 
 def overlong_penalty(sample: Sample, cfg: RLConfig) -> float:
@@ -85,32 +111,6 @@ def advantages(rewards: torch.Tensor, kind: str) -> torch.Tensor:
     return group_normalized(rewards, scale_by_std=kind == "grpo")
 
 
-def training_samples(groups: Sequence[ScoredGroup], cfg: RLConfig,
-                     first_group_id: int = 0) -> list[RLSample]:
-    """Samples with advantages; infra-error samples are left out of their group."""
-    out: list[RLSample] = []
-    for gid, group in enumerate(groups, start=first_group_id):
-        pairs = [(s, r) for s, r in zip(group.samples, group.rewards(cfg), strict=True)
-                 if r is not None]
-        if len(pairs) < 2:
-            continue
-        adv = advantages(torch.tensor([[r for _, r in pairs]], dtype=torch.float32), cfg.advantage)
-        for (sample, reward), a in zip(pairs, adv[0].tolist(), strict=True):
-            out.append(RLSample(
-                prompt_ids=torch.tensor(sample.prompt_token_ids, dtype=torch.int64),
-                completion_ids=torch.tensor(sample.token_ids, dtype=torch.int64),
-                advantage=float(a),
-                rollout_logprobs=torch.tensor(sample.logprobs, dtype=torch.float32),
-                reward=reward,
-                weight_version=sample.weight_version,
-                group_id=gid,
-                routed_experts=routed_tensor(sample),
-                token_versions=None if sample.token_versions is None
-                else torch.tensor(sample.token_versions, dtype=torch.int64),
-            ))
-    return out
-
-
 def routed_tensor(sample: Sample) -> torch.Tensor | None:
     """The engine's routed experts of `sample` as (MoE layers, prompt + completion,
     top-k): the last token, which the engine never fed, takes the previous position's
@@ -125,25 +125,3 @@ def routed_tensor(sample: Sample) -> torch.Tensor | None:
         raise ValueError(f"routed experts cover {ids.shape[1]} positions, expected "
                          f"{length - 1} (the prompt and every generated token but the last)")
     return torch.cat([ids, ids[:, -1:]], dim=1)
-
-
-def group_metrics(groups: Sequence[ScoredGroup], cfg: RLConfig) -> dict[str, float]:
-    rewards = [r for g in groups for r in g.rewards(cfg) if r is not None]
-    results = [res for g in groups for res in g.results]
-    passed = [res.reward == 1.0 for res in results if res.reward is not None]
-    lengths = [len(s.token_ids) for g in groups for s in g.samples]
-    finished = [s.finish_reason == "stop" for g in groups for s in g.samples]
-    metrics = {
-        "reward/mean": statistics.fmean(rewards) if rewards else 0.0,
-        "reward/pass_rate": statistics.fmean(passed) if passed else 0.0,
-        "reward/infra_errors": float(sum(res.error_kind is not None for res in results)),
-        "rollout/response_length": statistics.fmean(lengths) if lengths else 0.0,
-        "rollout/response_length_max": float(max(lengths, default=0)),
-        "rollout/response_length_p50": statistics.median(lengths) if lengths else 0.0,
-        "rollout/stop_fraction": statistics.fmean(finished) if finished else 0.0,
-        "rollout/informative_groups": float(sum(g.informative for g in groups)),
-    }
-    compiled = [res.compile_ok for res in results if res.compile_ok is not None]
-    if compiled:
-        metrics["reward/compile_rate"] = statistics.fmean(compiled)
-    return metrics

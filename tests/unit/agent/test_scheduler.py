@@ -14,7 +14,7 @@ from moerl.agent.environment import AgentTask, Observation, VerifyResult
 from moerl.agent.scheduler import AgentScheduler, SchedulerConfig
 from moerl.agent.tools import ToolCall, ToolSpec
 from moerl.data.tokenizer import ByteTokenizer
-from moerl.rl.agent_collect import group_samples
+from moerl.rl.agent_collect import episode_samples
 from moerl.rl.config import RLConfig
 from moerl.rollout.types import Sample, SamplingParams
 
@@ -185,7 +185,7 @@ def test_repeated_faults_make_an_unscored_infra_failure() -> None:
         and traj.reward is None
         and "3 environment faults" in (traj.infra_error or "")
     )
-    assert group_samples([[traj, traj]], RLConfig(), False) == []  # not trained on
+    assert episode_samples([traj, traj], RLConfig(), False, group_id=0) == []  # not trained on
     (traj,), _ = _run({"a": SOLVE}, lambda: CounterEnv(faults=[1], restorable=False))
     assert traj.status == "infra_failure" and "cannot restore" in (traj.infra_error or "")
 

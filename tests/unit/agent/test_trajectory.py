@@ -4,7 +4,7 @@ everything but the model's tokens and aligns the rollout logprobs with them."""
 import pytest
 
 from moerl.agent.trajectory import Segment, Trajectory, cut_tokens, fit_context
-from moerl.rl.agent_collect import group_samples
+from moerl.rl.agent_collect import episode_samples
 from moerl.rl.config import RLConfig
 
 PROMPT = [1, 2, 3]
@@ -79,7 +79,8 @@ def test_infra_failures_are_not_training_samples() -> None:
     good = Trajectory("y", PROMPT, _turns(1), status="max_turns", reward=0.0)
     solved = Trajectory("z", PROMPT, _turns(1), status="submitted", reward=1.0)
     # The loop's samples of a group: the infra failure is left out, the others trained.
-    samples = group_samples([[bad, good, solved]], RLConfig(), loss_on_truncated_context=False)
+    samples = episode_samples([bad, good, solved], RLConfig(), loss_on_truncated_context=False,
+                              group_id=0)
     assert [s.reward for s in samples] == [0.0, 1.0]
     with pytest.raises(ValueError, match="one logprob per token"):
         Segment("model", [1, 2], [0.0])

@@ -10,9 +10,9 @@ from moerl.data.domain_config import DomainConfig, DomainSampling
 from moerl.data.prompts import PromptRecord
 from moerl.rewards.client import ScoreItem, ScoreReport
 from moerl.rewards.protocol import RewardResult
-from moerl.rl.agent_collect import EPISODE, AgentCollector
-from moerl.rl.config import RLConfig
-from moerl.rl.domains import EpisodeGroup, Generation, domain_metrics, domain_runs, run_round
+from moerl.rl.agent_collect import EPISODE, AgentCollector, EpisodeGroup
+from moerl.rl.config import AgentTasksConfig, RLConfig
+from moerl.rl.domains import Generation, domain_metrics, domain_runs, run_round
 from moerl.rl.evaluate import evaluate
 from moerl.rollout.types import Sample
 
@@ -36,6 +36,8 @@ class Judges:
 
 class Episodes:
     """Stands in for the agent collector: every episode of a task solves it but the first."""
+
+    config = AgentTasksConfig()
 
     def __init__(self) -> None:
         self.runs: list[tuple[list[str], int, float | None]] = []
