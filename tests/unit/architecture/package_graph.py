@@ -20,20 +20,28 @@ def module_name(path: Path, root: Path = SRC) -> str:
     return ".".join(parts)
 
 
-def imported_modules(path: Path, root: Path = SRC) -> Iterator[str]:
-    """Absolute names of what `path` imports (relative imports resolved)."""
+def _imports(path: Path, root: Path) -> Iterator[tuple[str, list[str]]]:
+    """Each import of `path` as (module, names taken from it): `import a.b` is
+    ("a.b", []), `from .c import d` ("<package>.c", ["d"]) (relative imports resolved)."""
     name = module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
+            yield from ((alias.name, []) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
-            yield base
-            yield from (f"{base}.{alias.name}" for alias in node.names)
+            yield base, [alias.name for alias in node.names]
+
+
+def imported_modules(path: Path, root: Path = SRC) -> Iterator[str]:
+    """Absolute names of what `path` imports: every module, and each `from` import's
+    names as if they were modules."""
+    for base, names in _imports(path, root):
+        yield base
+        yield from (f"{base}.{name}" for name in names)
 
 
 def subpackage(module: str, top: str = "moerl") -> str | None:
@@ -74,20 +82,13 @@ def module_graph(root: Path = SRC, top: str = "moerl") -> dict[str, set[str]]:
 def _imported_files(path: Path, root: Path) -> Iterator[str]:
     """As `imported_modules`, but `from a import b` yields only `a.b` when that is a
     file (the package `a` is then only the way to it, as for `import a.b`)."""
-    name = module_name(path, root)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, base] if base else anchor)
-            for alias in node.names:
-                sub = root / Path(*base.split("."), alias.name)
-                is_file = sub.with_suffix(".py").is_file() or (sub / "__init__.py").is_file()
-                yield f"{base}.{alias.name}" if is_file else base
+    for base, names in _imports(path, root):
+        if not names:
+            yield base
+        for name in names:
+            sub = root / Path(*base.split("."), name)
+            is_file = sub.with_suffix(".py").is_file() or (sub / "__init__.py").is_file()
+            yield f"{base}.{name}" if is_file else base
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
