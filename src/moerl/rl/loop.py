@@ -71,10 +71,13 @@ def collect(ctl: Controller, cfg: RLConfig, step: int) -> Batch:
     groups whatever produced them (rl/group.py)."""
     timer, kept, seen = StepTimer(), list[Group](), list[Group]()
     reward_metrics: dict[str, float] = {}
-    for _ in range(cfg.max_generation_rounds):
+    for round_ in range(cfg.max_generation_rounds):
         records = ctl.prompts.take(cfg.prompts_per_step)
+        # a later round's seed differs: a small task set repeats its records in a step
+        seed = cfg.seed * 100_003 + step
         groups, reward_metrics = run_round(ctl.generation(), cfg, records,
-                                           seed=cfg.seed * 100_003 + step, step=step, timer=timer)
+                                           seed=seed if round_ == 0 else seed * 101 + round_,
+                                           step=step, timer=timer)
         for group in groups:  # settled prompts sit out epochs (rl.difficulty_filter_epochs)
             ctl.prompts.settle(group.record, group.rewards(cfg))
         seen += groups
