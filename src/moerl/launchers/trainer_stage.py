@@ -68,16 +68,17 @@ def sft_phase(cfg: RunConfig, groups: ParallelGroups, tok: Tokenizer,
 def _controller(cfg: RunConfig, root: Path, records: list[PromptRecord],
                 held_out: list[PromptRecord], tok: Tokenizer) -> Controller:
     rendezvous = Path(os.environ.get(ENV_RENDEZVOUS, root / "rendezvous"))
-    engines = RolloutClient(rendezvous_dir=rendezvous, config=cfg.rollout.client,
+    rollout_client = RolloutClient(rendezvous_dir=rendezvous, config=cfg.rollout.client,
                             engine=cfg.rollout.engine)
-    judges = RewardClient(cfg.rewards.client, rendezvous_dir=rendezvous, seed=cfg.rl.seed)
+    reward_client = RewardClient(cfg.rewards.client, rendezvous_dir=rendezvous, seed=cfg.rl.seed)
     data = cfg.data
     prompts: PromptStream | MixtureStream = (
         MixtureStream.of(records, data.mixture, data.seed, cfg.rl.difficulty_filter_epochs)
         if data.source == "mixture" else
         PromptStream(records, seed=data.seed, set_aside_epochs=cfg.rl.difficulty_filter_epochs))
     return Controller(
-        engines=engines, judges=judges, prompts=prompts, held_out=held_out,
+        rollout_client=rollout_client, reward_client=reward_client, prompts=prompts,
+        held_out=held_out,
         runs=domain_runs({k: data.domains[k] for k in data.mixture}, cfg.rl),
         encode=lambda record: encode_prompt(tok, record.prompt, record.messages),
         stop_token_ids=tok.stop_ids,
@@ -203,7 +204,8 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
         shutil.rmtree(dirs.weights, ignore_errors=True)
     barrier()
     # moerl servers load Megatron weights; vllm/sglang an HF export of them.
-    sync = build_weight_sync(cfg.rollout.engine, dirs.weights, ctl.engines if ctl else None,
+    sync = build_weight_sync(cfg.rollout.engine, dirs.weights,
+                             ctl.rollout_client if ctl else None,
                              keep=cfg.rl.keep_weight_versions,
                              hf_model_dir=cfg.rollout.hf_model_dir, dtype=cfg.rollout.dtype,
                              mode=cfg.rl.weight_sync, arch=policy.arch,

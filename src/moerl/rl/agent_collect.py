@@ -143,7 +143,7 @@ class AgentCollector:
             return RemoteEnvironment(self.servers)
         return TerminalEnvironment(self.sandbox)
 
-    def run_groups(self, engines: RolloutClient, tasks: Sequence[AgentTask], group_size: int,
+    def run_groups(self, rollout_client: RolloutClient, tasks: Sequence[AgentTask], group_size: int,
                    cfg: RLConfig, seed: int, temperature: float | None = None,
                    ) -> list[list[Trajectory]]:
         """`group_size` episodes of each task (a group each), all scheduled at once."""
@@ -151,7 +151,8 @@ class AgentCollector:
         config = self._scheduler_config(cfg, seed)
         if temperature is not None:
             config = replace(config, temperature=temperature)
-        trajs = AgentScheduler(engines, self._environment, self.tokenizer, config).run(episodes)
+        scheduler = AgentScheduler(rollout_client, self._environment, self.tokenizer, config)
+        trajs = scheduler.run(episodes)
         self.last_groups = [trajs[i : i + group_size] for i in range(0, len(trajs), group_size)]
         return self.last_groups
 

@@ -59,8 +59,8 @@ def domain_runs(domains: Mapping[str, DomainConfig], cfg: RLConfig) -> dict[str,
 class Generation:
     """The clients and settings one round generates with (the controller's)."""
 
-    engines: RolloutClient
-    judges: RewardClient
+    rollout_client: RolloutClient
+    reward_client: RewardClient
     encode: Callable[[PromptRecord], list[int]]
     stop_token_ids: tuple[int, ...]
     runs: Mapping[str, DomainRun]
@@ -92,7 +92,7 @@ def run_round(gen: Generation, cfg: RLConfig, records: Sequence[PromptRecord], s
         sampling = run.sampling if temperature is None else replace(run.sampling,
                                                                     temperature=temperature)
         with timer.phase("rollout"):
-            got = gen.engines.generate([gen.encode(records[i]) for i in indices], n=n,
+            got = gen.rollout_client.generate([gen.encode(records[i]) for i in indices], n=n,
                                        sampling=sampling.params(
                                            n, seed=seed, stop_token_ids=gen.stop_token_ids,
                                            routed_experts=cfg.routing_replay
@@ -103,7 +103,7 @@ def run_round(gen: Generation, cfg: RLConfig, records: Sequence[PromptRecord], s
     if samples:
         order = sorted(samples)
         with timer.phase("reward"):
-            scored, metrics = score_groups(gen.judges, [records[i] for i in order],
+            scored, metrics = score_groups(gen.reward_client, [records[i] for i in order],
                                            [samples[i] for i in order], step)
         groups.update(zip(order, scored, strict=True))
     if episodes:
@@ -116,7 +116,8 @@ def run_round(gen: Generation, cfg: RLConfig, records: Sequence[PromptRecord], s
         for n, indices in by_size.items():
             tasks = [gen.episodes.task(str(records[i].spec["task"])) for i in indices]
             with timer.phase("rollout"):
-                trajs = gen.episodes.run_groups(gen.engines, tasks, n, cfg, seed, temperature)
+                trajs = gen.episodes.run_groups(gen.rollout_client, tasks, n, cfg, seed,
+                                                temperature)
             truncated_loss = gen.episodes.config.loss_on_truncated_context
             groups.update({i: EpisodeGroup(records[i], t, truncated_loss)
                            for i, t in zip(indices, trajs, strict=True)})

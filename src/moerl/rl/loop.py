@@ -43,8 +43,8 @@ from moerl.rollout.speculative.metrics import speculation_metrics
 class Controller:
     """What only the controller rank holds: the servers' clients and the data."""
 
-    engines: RolloutClient
-    judges: RewardClient
+    rollout_client: RolloutClient
+    reward_client: RewardClient
     prompts: PromptStream | MixtureStream
     held_out: list[PromptRecord]
     encode: Callable[[PromptRecord], list[int]]
@@ -59,7 +59,7 @@ class Controller:
     mixture's terminal domain)."""
 
     def generation(self) -> Generation:
-        return Generation(self.engines, self.judges, self.encode, self.stop_token_ids,
+        return Generation(self.rollout_client, self.reward_client, self.encode, self.stop_token_ids,
                           self.runs, self.episodes)
 
 

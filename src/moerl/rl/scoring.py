@@ -85,7 +85,7 @@ def overlong_penalty(sample: Sample, cfg: RLConfig) -> float:
 
 
 def score_groups(
-    judges: RewardClient, records: Sequence[PromptRecord], groups: Sequence[list[Sample]],
+    reward_client: RewardClient, records: Sequence[PromptRecord], groups: Sequence[list[Sample]],
     step: int,
 ) -> tuple[list[ScoredGroup], dict[str, float]]:
     """Score every sample of every group in one batched call to the reward servers."""
@@ -94,7 +94,7 @@ def score_groups(
         for record, group in zip(records, groups, strict=True)
         for sample in group
     ]
-    report = judges.score(items, step=step)
+    report = reward_client.score(items, step=step)
     results = iter(report.results)
     scored = [ScoredGroup(r, list(g), [next(results) for _ in g])
               for r, g in zip(records, groups, strict=True)]

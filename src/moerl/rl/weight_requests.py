@@ -26,13 +26,13 @@ log = logging.getLogger(__name__)
 Reply = Future[tuple[str | None, Any]]
 
 
-def live_servers(engines: RolloutClient | None, engine: str, server_ranks: int | None,
+def live_servers(rollout_client: RolloutClient | None, engine: str, server_ranks: int | None,
                  timeout_s: float) -> tuple[tuple[str, int], ...]:
     """(url, ranks) of every server that answers /health."""
-    assert engines is not None, "the controller rank streams to the servers"
+    assert rollout_client is not None, "the controller rank streams to the servers"
     live = []
     with httpx.Client(timeout=min(30.0, timeout_s), trust_env=False) as http:
-        for url in engines.urls:
+        for url in rollout_client.urls:
             try:
                 reply = http.get(f"{url}/health")
             except httpx.HTTPError as exc:

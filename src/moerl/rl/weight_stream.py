@@ -70,14 +70,14 @@ class _Join:
 
 
 class MemoryWeightSync:
-    """Streams versions to `engines` (given on the controller, global rank 0 only);
+    """Streams versions to `rollout_client` (given on the controller, global rank 0 only);
     every trainer rank calls `push`. `disk`: the engine's disk strategy, for the first
     version and failed streams. `engine`: the servers' protocol (moerl, sglang, vllm).
     `server_ranks`: ranks of each server (None: each moerl server says, in /health).
     `staging_bytes`: the staging memory a rank may use, two buffers of half as many
     bytes. `hf_config`, `hf_dtype` (sglang, vllm): the served config.json and dtype."""
 
-    def __init__(self, disk: WeightSync, engines: RolloutClient | None, arch: MoEArch, *,
+    def __init__(self, disk: WeightSync, rollout_client: RolloutClient | None, arch: MoEArch, *,
                  engine: str = "moerl", server_ranks: int | None = None,
                  staging_bytes: int = 256 << 20, timeout_s: float = 600.0,
                  hf_config: dict[str, Any] | None = None,
@@ -86,7 +86,7 @@ class MemoryWeightSync:
             raise ValueError(f"rl.weight_sync=memory: rollout.engine={engine} has no stream "
                              "here; set rl.weight_sync=disk")
         self.disk, self.engine, self.server_ranks = disk, engine, server_ranks
-        self.engines, self.arch = engines, arch
+        self.rollout_client, self.arch = rollout_client, arch
         self.buffer_bytes, self.timeout_s = staging_bytes // 2, timeout_s
         self.convert = converter(arch, hf_config, hf_dtype) if engine != "moerl" else None
         self.link: SendLink | None = None  # moerl
@@ -132,14 +132,15 @@ class MemoryWeightSync:
                         "publishing it to disk", version, _rank(), exc)
             self._leave()
             return False
-        if self.engines is not None:
-            self.engines.weight_version = version
+        if self.rollout_client is not None:
+            self.rollout_client.weight_version = version
         return True
 
     def _decide(self) -> _Join | str | None:
         """Rank 0: None (keep the group), a new one to form, or why not to stream."""
         try:
-            servers = live_servers(self.engines, self.engine, self.server_ranks, self.timeout_s)
+            servers = live_servers(self.rollout_client, self.engine, self.server_ranks,
+                                   self.timeout_s)
             if not servers:
                 return "no rollout server answers /health"
             if servers == self.servers and (self.link or self.assembly):

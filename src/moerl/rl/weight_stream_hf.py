@@ -139,7 +139,7 @@ def send_pieces(assembly: Assembly, chunks: list[torch.nn.Module], arch: MoEArch
 
 
 def assemble_and_broadcast(assembly: Assembly, chunks: list[torch.nn.Module], arch: MoEArch,
-                           engines: WeightGroup, convert: Convert, deadline: float) -> Traffic:
+                           servers: WeightGroup, convert: Convert, deadline: float) -> Traffic:
     """Rank 0: each tensor as its pieces arrive, converted and broadcast to the servers."""
     device = group_device(assembly.spec.backend)
     own = {p.name: t for p, t in held_pieces(chunks, arch)}
@@ -160,12 +160,12 @@ def assemble_and_broadcast(assembly: Assembly, chunks: list[torch.nn.Module], ar
             left[part.name] -= part.nbytes
             if left[part.name] == 0:
                 for _, tensor in convert(part.name, whole[part.name]):
-                    broadcast(engines, tensor.contiguous(), deadline)
+                    broadcast(servers, tensor.contiguous(), deadline)
                 if part.name not in kept:
                     del whole[part.name]
 
     receive_messages(assembly.group, 0, assembly.plan, fill, device, deadline, traffic,
                      own=own, done=landed)
     for megatron in mtp_copies(arch).values():
-        broadcast(engines, convert(megatron, whole[megatron])[0][1].contiguous(), deadline)
+        broadcast(servers, convert(megatron, whole[megatron])[0][1].contiguous(), deadline)
     return traffic

@@ -12,13 +12,13 @@ Two filesystem strategies, chosen from `rollout.engine` by `weight_sync_build.bu
   and renamed into place, and only then does the controller send the engine's update
   call (`rollout.backends.weight_update_calls`) naming it.
 
-`engines` is given on the controller only, which is global rank 0 (the rank that
+`rollout_client` is given on the controller only, which is global rank 0 (the rank that
 renames the HF export into place); every trainer rank calls `push`.
 
 `rl.weight_sync=memory` streams each version to the servers over a process group
 instead (`rl.weight_stream`: every trainer rank its own slices to moerl servers;
 SGLang's protocol, and vLLM through moerl's worker extension, from rank 0);
-docs/architecture.md ("Weight sync") maps it onto the engines' endpoints.
+docs/architecture.md ("Weight sync") maps it onto the servers' endpoints.
 """
 
 from __future__ import annotations
@@ -58,14 +58,14 @@ class WeightSync(Protocol):
 class _Announcer:
     """Tells the servers about a published directory, keeping the last `keep`."""
 
-    def __init__(self, root: Path, engines: RolloutClient | None, keep: int) -> None:
-        self.root, self.engines, self.keep = Path(root), engines, max(keep, 1)
+    def __init__(self, root: Path, rollout_client: RolloutClient | None, keep: int) -> None:
+        self.root, self.rollout_client, self.keep = Path(root), rollout_client, max(keep, 1)
         self.published: list[Path] = []
 
     def _announce(self, path: Path, version: int) -> None:
-        if self.engines is None:
+        if self.rollout_client is None:
             return
-        self.engines.update_weights(path, version)
+        self.rollout_client.update_weights(path, version)
         self.published.append(path)
         # Servers hold their weights in memory once loaded: older directories can go.
         while len(self.published) > self.keep:
@@ -80,16 +80,16 @@ class FilesystemWeightSync(_Announcer):
     part): the servers are told to read it where it is, and nothing is written. It is
     never deleted with the published versions."""
 
-    def __init__(self, root: Path, engines: RolloutClient | None, keep: int,
+    def __init__(self, root: Path, rollout_client: RolloutClient | None, keep: int,
                  initial: Path | None = None) -> None:
-        super().__init__(root, engines, keep)
+        super().__init__(root, rollout_client, keep)
         self.initial = initial
 
     def push(self, policy: Publisher, version: int) -> None:
         if self.initial is not None:
             initial, self.initial = self.initial, None
-            if self.engines is not None:
-                self.engines.update_weights(initial, version)
+            if self.rollout_client is not None:
+                self.rollout_client.update_weights(initial, version)
             return
         path = policy.publish(self.root / f"v{version:06d}")
         if dist.is_initialized():
@@ -100,15 +100,15 @@ class FilesystemWeightSync(_Announcer):
 class HFExportWeightSync(_Announcer):
     """A Hugging Face export per version for vLLM and SGLang.
 
-    `served_dir`: the HF directory the engines were started on (`rollout.hf_model_dir`):
+    `served_dir`: the HF directory the rollout_client were started on (`rollout.hf_model_dir`):
     its config.json is the base of each export's (token ids, RoPE scaling) and its
     tokenizer files are copied along. `dtype`: of the exported weights (None: the
     model's).
     """
 
-    def __init__(self, root: Path, engines: RolloutClient | None, keep: int = 2,
+    def __init__(self, root: Path, rollout_client: RolloutClient | None, keep: int = 2,
                  served_dir: str | Path | None = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__(root, engines, keep)
+        super().__init__(root, rollout_client, keep)
         self.served_dir = Path(served_dir) if served_dir else None
         self.dtype = dtype
         config = self.served_dir / "config.json" if self.served_dir else None

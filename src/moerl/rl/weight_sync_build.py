@@ -17,7 +17,8 @@ from moerl.rollout.backends import check_engine
 from moerl.rollout.client import RolloutClient
 
 
-def build_weight_sync(engine: str, root: Path, engines: RolloutClient | None, *, keep: int = 2,
+def build_weight_sync(engine: str, root: Path, rollout_client: RolloutClient | None, *,
+                      keep: int = 2,
                       hf_model_dir: str | None = None, dtype: str = "auto",
                       mode: str = "disk", arch: MoEArch | None = None,
                       staging_bytes: int = 256 << 20, timeout_s: float = 600.0,
@@ -35,15 +36,15 @@ def build_weight_sync(engine: str, root: Path, engines: RolloutClient | None, *,
     kind = check_engine(engine)
     disk: WeightSync
     if kind == "moerl":
-        disk = FilesystemWeightSync(root, engines, keep, initial)
+        disk = FilesystemWeightSync(root, rollout_client, keep, initial)
     else:
-        disk = HFExportWeightSync(root, engines, keep, served_dir=hf_model_dir,
+        disk = HFExportWeightSync(root, rollout_client, keep, served_dir=hf_model_dir,
                                   dtype=export_dtype(dtype))
     if mode == "disk":
         return disk
     assert arch is not None, "rl.weight_sync=memory needs the architecture"
     hf_config = disk.base_config if isinstance(disk, HFExportWeightSync) else None
-    return MemoryWeightSync(disk, engines, arch, engine=kind,
+    return MemoryWeightSync(disk, rollout_client, arch, engine=kind,
                             server_ranks=None if kind == "moerl" else (server_ranks or 1),
                             staging_bytes=staging_bytes, timeout_s=timeout_s,
                             hf_config=hf_config, hf_dtype=export_dtype(dtype))

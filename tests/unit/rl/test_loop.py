@@ -74,22 +74,22 @@ class FakePolicy:
 
 
 class FakeSync:
-    def __init__(self, engines: FakeEngines) -> None:
-        self.engines = engines
+    def __init__(self, rollout_client: FakeEngines) -> None:
+        self.rollout_client = rollout_client
 
     def push(self, policy: Any, version: int) -> None:
-        self.engines.update_weights(Path("."), version)
+        self.rollout_client.update_weights(Path("."), version)
 
 
 def _run(tmp_path: Path, mode: str, infra_every: int = 0) -> tuple[FakePolicy, list[Any]]:
-    engines, policy = FakeEngines(), FakePolicy()
+    rollout_client, policy = FakeEngines(), FakePolicy()
     records = [PromptRecord(f"p{i}", f"prompt {i}", "fake") for i in range(5)]
-    ctl = Controller(engines, FakeJudges(infra_every), PromptStream(records), records[:2],  # type: ignore[arg-type]
+    ctl = Controller(rollout_client, FakeJudges(infra_every), PromptStream(records), records[:2],  # type: ignore[arg-type]
                      lambda t: [1, 2, 3], MetricsLogger(LoggerConfig(wandb_mode="disabled",
                                                                      plot=False), tmp_path, {}))
     cfg = RLConfig(steps=6, prompts_per_step=2, group_size=4, mode=mode,  # type: ignore[arg-type]
                    max_staleness=1, eval_interval=0)
-    train(cfg, policy, FakeSync(engines), ctl)  # type: ignore[arg-type]
+    train(cfg, policy, FakeSync(rollout_client), ctl)  # type: ignore[arg-type]
     return policy, read_metrics(tmp_path / "metrics.jsonl")
 
 
