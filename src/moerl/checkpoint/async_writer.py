@@ -12,9 +12,10 @@ was through copy-on-write, and every page the training then writes is duplicated
 which on a host holding the model is the rank's whole memory, not its shard; and a
 child outlives a rank killed with SIGKILL. A thread shares the rank's fate and its
 memory. The file writes and the hashing release the GIL, and the thread runs at the
-lowest CPU priority (nice 19, Linux schedules threads apart), so it takes the cores
-only when the training loop leaves them idle: the write takes longer, the steps run
-at their pace (`benchmarks/checkpoint_overlap.py` measures both).
+lowest CPU priority (nice 19, Linux schedules threads apart), so the training's
+threads come first; where the step itself uses every host core (a CPU rank), the
+write's serialisation and hashing still slow it (`benchmarks/checkpoint_overlap.py`
+measures by how much).
 
 `ThreadCallsQueue` is Megatron's `AsyncCallsQueue` (requests, finalisation once every
 rank is done, errors raised on every rank) with this caller in place of the fork.
