@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -35,7 +34,7 @@ from moerl.data.prompts import PromptRecord
 from moerl.data.rl_batch import RLSample
 from moerl.data.tokenizer import Tokenizer
 from moerl.rl.config import AgentTasksConfig, RLConfig
-from moerl.rl.group import Outcome, has_spread
+from moerl.rl.group import Outcome, has_spread, mean_or_zero
 from moerl.rl.scoring import advantages
 from moerl.rollout.client import RolloutClient
 from moerl.rollout.types import Sample
@@ -100,13 +99,10 @@ def model_tokens(traj: Trajectory) -> int:
 
 def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """The agent/* series over a step's episodes (rewards and lengths: `group_metrics`)."""
-    def mean(values: Sequence[float]) -> float:
-        return statistics.fmean(values) if values else 0.0
-
     return {
-        "agent/turns": mean([t.model_turns for t in trajectories]),
-        "agent/episode_tokens": mean([t.num_tokens for t in trajectories]),
-        "agent/submitted": mean([t.status == "submitted" for t in trajectories]),
+        "agent/turns": mean_or_zero([t.model_turns for t in trajectories]),
+        "agent/episode_tokens": mean_or_zero([t.num_tokens for t in trajectories]),
+        "agent/submitted": mean_or_zero([t.status == "submitted" for t in trajectories]),
         "agent/env_faults": float(sum(t.env_faults for t in trajectories)),
         "agent/truncations": float(sum(len(t.truncations) for t in trajectories)),
     }

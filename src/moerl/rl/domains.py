@@ -15,7 +15,6 @@ Per-domain metrics, one series per domain (W&B sections by metric, a line per do
 
 from __future__ import annotations
 
-import statistics
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -26,7 +25,7 @@ from moerl.observability import StepTimer
 from moerl.rewards.client import RewardClient
 from moerl.rl.agent_collect import EPISODE, AgentCollector, EpisodeGroup
 from moerl.rl.config import RLConfig, SamplingConfig
-from moerl.rl.group import Group, Outcome
+from moerl.rl.group import Group, Outcome, mean_or_zero
 from moerl.rl.scoring import score_groups
 from moerl.rollout.client import RolloutClient
 from moerl.rollout.types import Sample
@@ -124,10 +123,6 @@ def run_round(gen: Generation, cfg: RLConfig, records: Sequence[PromptRecord], s
     return [groups[i] for i in range(len(records))], metrics
 
 
-def _mean(values: Sequence[float]) -> float:
-    return statistics.fmean(values) if values else 0.0
-
-
 def domain_metrics(groups: Sequence[Group], prefix: str = "domain_") -> dict[str, float]:
     """The per-domain series of the module docstring over `groups` (records outside a
     mixture, whose domain is "", are left out)."""
@@ -141,12 +136,12 @@ def domain_metrics(groups: Sequence[Group], prefix: str = "domain_") -> dict[str
         seconds = [o.seconds for o in outcomes if o.seconds is not None]
         out |= {
             f"{prefix}samples/{name}": float(len(outcomes)),
-            f"{prefix}reward/{name}": _mean(scored),
-            f"{prefix}pass_rate/{name}": _mean([r == 1.0 for r in scored]),
-            f"{prefix}length/{name}": _mean([o.length for o in outcomes]),
-            f"{prefix}truncated/{name}": _mean([o.truncated for o in outcomes]),
+            f"{prefix}reward/{name}": mean_or_zero(scored),
+            f"{prefix}pass_rate/{name}": mean_or_zero([r == 1.0 for r in scored]),
+            f"{prefix}length/{name}": mean_or_zero([o.length for o in outcomes]),
+            f"{prefix}truncated/{name}": mean_or_zero([o.truncated for o in outcomes]),
             f"{prefix}infra_errors/{name}": float(len(outcomes) - len(scored)),
         }
         if seconds:
-            out[f"{prefix}reward_seconds/{name}"] = _mean(seconds)
+            out[f"{prefix}reward_seconds/{name}"] = mean_or_zero(seconds)
     return out

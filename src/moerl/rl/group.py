@@ -88,7 +88,8 @@ def has_spread(rewards: Sequence[float | None]) -> bool:
     return len(valid) >= 2 and max(valid) > min(valid)
 
 
-def _mean(values: Sequence[float]) -> float:
+def mean_or_zero(values: Sequence[float]) -> float:
+    """The mean of a metric's values; 0 for none (a step without such generations)."""
     return statistics.fmean(values) if values else 0.0
 
 
@@ -99,16 +100,16 @@ def group_metrics(groups: Sequence[Group], cfg: RLConfig | None = None) -> dict[
     scored = [o.reward for o in outcomes if o.reward is not None]
     lengths = [o.length for o in outcomes]
     metrics = {
-        "reward/mean": _mean(shaped),
-        "reward/pass_rate": _mean([r == 1.0 for r in scored]),
+        "reward/mean": mean_or_zero(shaped),
+        "reward/pass_rate": mean_or_zero([r == 1.0 for r in scored]),
         "reward/infra_errors": float(len(outcomes) - len(scored)),
-        "rollout/response_length": _mean(lengths),
+        "rollout/response_length": mean_or_zero(lengths),
         "rollout/response_length_max": float(max(lengths, default=0)),
         "rollout/response_length_p50": statistics.median(lengths) if lengths else 0.0,
-        "rollout/stop_fraction": _mean([o.stopped for o in outcomes]),
+        "rollout/stop_fraction": mean_or_zero([o.stopped for o in outcomes]),
         "rollout/informative_groups": float(sum(g.informative for g in groups)),
     }
     compiled = [o.compile_ok for o in outcomes if o.compile_ok is not None]
     if compiled:
-        metrics["reward/compile_rate"] = _mean(compiled)
+        metrics["reward/compile_rate"] = mean_or_zero(compiled)
     return metrics
