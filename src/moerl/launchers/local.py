@@ -44,14 +44,16 @@ from moerl.launchers.proctree import (
     signal_group,
     still_running,
 )
+from moerl.launchers.stage_render import (
+    Replica,
+    local_command,
+    local_port,
+    readiness,
+    replica_env,
+)
 from moerl.launchers.stages import RunPlan, StageSpec
 from moerl.parent_death import wrapped
 from moerl.rendezvous import (
-    ENV_HOST,
-    ENV_INDEX,
-    ENV_PORT,
-    ENV_RENDEZVOUS,
-    ENV_STAGE,
     REQUEUE_EXIT_CODE,
     REQUEUE_MARKER,
     discover,
@@ -206,7 +208,8 @@ class LocalLauncher:
                     self._start_servers(stage)
                 for stage in self.plan.servers:
                     self._wait_ready(stage)
-                self._trainer = self._start(self.plan.trainer, 0, 0)
+                trainer = self.plan.trainer
+                self._trainer = self._start(trainer, 0, self.replica_ports(trainer)[0])
                 return self._supervise(self._trainer)
             finally:
                 self.teardown()
@@ -224,39 +227,35 @@ class LocalLauncher:
                 os.kill(rank, signal.SIGUSR1)
 
     def _start_servers(self, stage: StageSpec) -> None:
-        for index in range(stage.replicas):
-            if stage.port_base:
-                port = stage.port_base + index
-            else:
-                port = 0 if stage.binds_any_port else free_port(self.host)
+        for index, port in enumerate(self.replica_ports(stage)):
             self._start(stage, index, port)
 
-    def _command(self, stage: StageSpec, index: int, port: int) -> list[str]:
-        argv = stage.argv(self.host, port, index)
-        if stage.span > 1:
-            raise ValueError(
-                f"stage {stage.name}: a replica spanning {stage.span} nodes needs a cluster "
-                "(launcher=slurm); on one machine each server runs on this one")
-        if not (stage.server_torchrun or (stage.name == "trainer" and stage.torchrun)):
-            return argv
-        # One node: torchrun's standalone rendezvous on a free local port.
-        return [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            f"--nproc-per-node={stage.ranks_per_node}", "--no-python", *argv,
-        ]  # fmt: skip
+    def replica_ports(self, stage: StageSpec) -> list[int]:
+        """The port of each of the stage's replicas (`stage_render.local_port`), a free
+        one where the rule leaves the choice to the launcher."""
+        ports = [local_port(stage, index) for index in range(stage.replicas)]
+        return [free_port(self.host) if port is None else port for port in ports]
+
+    def _replica(self, index: int, port: int) -> Replica:
+        return Replica(self.host, str(port), str(index))
+
+    def replica_command(self, stage: StageSpec, index: int, port: int) -> list[str]:
+        """The argv replica `index` of `stage` is started with (before the parent-death
+        wrapper)."""
+        return local_command(stage, self._replica(index, port))
+
+    def replica_env(self, stage: StageSpec, index: int, port: int) -> dict[str, str]:
+        """What replica `index` of `stage` gets on top of the launcher's environment."""
+        return replica_env(stage, self._replica(index, port), str(self.plan.rendezvous_dir))
 
     def _start(self, stage: StageSpec, index: int, port: int) -> _Proc:
         label = f"{stage.name}.{index}"
-        env = {**os.environ, **stage.env}
-        env.update({
-            ENV_RENDEZVOUS: str(self.plan.rendezvous_dir), ENV_STAGE: stage.name,
-            ENV_INDEX: str(index), ENV_HOST: self.host, ENV_PORT: str(port),
-        })  # fmt: skip
+        env = {**os.environ, **self.replica_env(stage, index, port)}
         log_path = self.plan.log_dir / f"{label}.log"
         log_path.write_bytes(b"")
         popen = subprocess.Popen(
             # SIGTERM when the launcher dies, even of SIGKILL: no stage outlives it.
-            wrapped(self._command(stage, index, port), signal.SIGTERM),
+            wrapped(self.replica_command(stage, index, port), signal.SIGTERM),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -282,14 +281,15 @@ class LocalLauncher:
 
     def _wait_ready(self, stage: StageSpec) -> None:
         deadline = time.monotonic() + self.startup_timeout
+        ready = readiness(stage)
         try:
             found = discover(
-                self.plan.rendezvous_dir, stage.name, stage.replicas,
+                self.plan.rendezvous_dir, ready.stage, ready.replicas,
                 self.startup_timeout, check=self._check_servers,
             )  # fmt: skip
             for endpoint in found:
                 left = max(deadline - time.monotonic(), 1.0)
-                wait_healthy(endpoint, left, path=stage.health_path, check=self._check_servers)
+                wait_healthy(endpoint, left, path=ready.health_path, check=self._check_servers)
         except TimeoutError as err:
             proc = next(p for p in self.procs if p.stage is stage)
             raise StageFailed(stage.name, None, proc.log_path, f"not ready: {err}") from err

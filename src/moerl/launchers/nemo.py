@@ -40,15 +40,22 @@ from types import ModuleType
 from typing import Any
 
 from moerl.launchers.slurm import (
-    DEFAULT_PORTS,
     SlurmConfig,
     _resources,
     cluster_addresses,
     master_port_export,
     step_command,
 )
+from moerl.launchers.stage_render import (
+    Replica,
+    fixed_port,
+    local_command,
+    placement_env,
+    readiness,
+    shared_env,
+)
 from moerl.launchers.stages import RunPlan, StageSpec
-from moerl.rendezvous import ENV_HOST, ENV_INDEX, ENV_PORT, ENV_RENDEZVOUS, ENV_STAGE
+from moerl.rendezvous import ENV_RENDEZVOUS
 
 # Servers first: the steps start in this order.
 NEMO_ORDER = ("reward", "environment", "rollout", "trainer")
@@ -72,11 +79,11 @@ def nemo_stages(plan: RunPlan) -> list[StageSpec]:
 def _wait_for_servers(plan: RunPlan, timeout: int) -> str:
     """Bash that returns once every server replica has announced itself."""
     lines = [f"deadline=$((SECONDS + {timeout}))"]
-    for stage in plan.servers:
-        count = (f"$(find \"${ENV_RENDEZVOUS}/{stage.name}\" -maxdepth 1 -name '[0-9]*.addr' "
+    for ready in map(readiness, plan.servers):
+        count = (f"$(find \"${ENV_RENDEZVOUS}/{ready.stage}\" -maxdepth 1 -name '[0-9]*.addr' "
                  "2>/dev/null | wc -l)")
-        lines.append(f'until [ "{count}" -ge {stage.replicas} ]; do [ "$SECONDS" -lt '
-                     f"\"$deadline\" ] || {{ echo 'moerl: {stage.name} not announced after "
+        lines.append(f'until [ "{count}" -ge {ready.replicas} ]; do [ "$SECONDS" -lt '
+                     f"\"$deadline\" ] || {{ echo 'moerl: {ready.stage} not announced after "
                      f"{timeout} s' >&2; exit 1; }}; sleep 1; done")
     return "\n".join(lines)
 
@@ -156,42 +163,30 @@ def slurm_executor(plan: RunPlan, cfg: SlurmConfig, **kwargs: Any) -> Any:
     return run.SlurmExecutor.merge(executors, num_tasks=len(executors))
 
 
-def _local_argv(stage: StageSpec, host: str, port: int, index: int) -> list[str]:
-    """As `local.LocalLauncher` starts one replica (the trainer under torchrun)."""
-    argv = stage.argv(host, port, index)
-    if not (stage.server_torchrun or (stage.name == "trainer" and stage.torchrun)):
-        return argv
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            f"--nproc-per-node={stage.ranks_per_node}", "--no-python", *argv]
-
-
 def local_scripts(
     plan: RunPlan, host: str = "127.0.0.1", startup_timeout: int = 300, run_id: str | None = None
 ) -> list[Any]:
     """One inline script per stage: every replica with the env `LocalLauncher` gives it.
 
-    Servers listen on fixed ports (`port_base`, else slurm.DEFAULT_PORTS) + replica;
-    the rendezvous dir is a fresh `nemo-<run_id>` below the plan's (no stale servers).
+    Servers listen on fixed ports (`stage_render.fixed_port`: `port_base`, else
+    DEFAULT_PORTS, + replica); the rendezvous dir is a fresh `nemo-<run_id>` below the
+    plan's (no stale servers). The script's env is what the replicas share, each
+    replica's line exports its placement.
     """
     run = import_nemo_run()
     rendezvous = plan.rendezvous_dir / f"nemo-{run_id or time.strftime('%Y%m%d-%H%M%S')}"
     scripts = []
     for stage in nemo_stages(plan):
-        if stage.name == "trainer":
-            body = [_wait_for_servers(plan, startup_timeout)] if plan.servers else []
-            replicas = [(0, 0)]
-        else:
-            body = []
-            base = stage.port_base or DEFAULT_PORTS[stage.name]
-            replicas = [(i, base + i) for i in range(stage.replicas)]
-        for index, port in replicas:
-            env = {ENV_STAGE: stage.name, ENV_INDEX: str(index), ENV_HOST: host,
-                   ENV_PORT: str(port)}
-            exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-            command = shlex.join(_local_argv(stage, host, port, index))
+        waits = stage.name == "trainer" and bool(plan.servers)
+        body = [_wait_for_servers(plan, startup_timeout)] if waits else []
+        for index in range(stage.replicas):
+            replica = Replica(host, fixed_port(stage, str(index)), str(index))
+            placement = placement_env(stage, replica)
+            exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in placement.items())
+            command = shlex.join(local_command(stage, replica))
             body.append(f"(export {exports}; exec {command}) &")
         body.append("wait")
-        env = {**stage.env, ENV_RENDEZVOUS: str(rendezvous)}
+        env = shared_env(stage, str(rendezvous))
         scripts.append(run.Script(inline="\n".join(body), env=env))
     return scripts
 

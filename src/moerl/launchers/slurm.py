@@ -28,13 +28,22 @@ from dataclasses import dataclass, field
 
 from moerl.config import ClusterConfig
 from moerl.launchers.slurm_shell import FINISH, FUNCTIONS, PREAMBLE
+from moerl.launchers.stage_render import (
+    Replica,
+    fixed_port,
+    placement_env,
+    readiness,
+    shell_words,
+    torchrun_argv,
+    under_torchrun,
+)
 from moerl.launchers.stages import RunPlan, StageSpec
-from moerl.rendezvous import ENV_HOST, ENV_INDEX, ENV_PORT, ENV_STAGE, REQUEUE_EXIT_CODE
+from moerl.rendezvous import ENV_HOST, ENV_RENDEZVOUS, REQUEUE_EXIT_CODE
 
-DEFAULT_PORTS = {"rollout": 8000, "reward": 8100, "environment": 8200}
 _GROUP_ORDER = ("trainer", "rollout", "reward", "environment")
 _TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-_PLACEHOLDER_VARS = {"{host}": ENV_HOST, "{port}": ENV_PORT, "{index}": ENV_INDEX}
+# A server announces the host the cluster names (cluster.advertise_host), else its node's.
+_SERVER_HOST = '"${MOERL_ADVERTISE_HOST:-$(hostname)}"'
 
 
 class SlurmError(RuntimeError):
@@ -106,19 +115,24 @@ def _header(plan: RunPlan, cfg: SlurmConfig) -> list[str]:
     return lines
 
 
-def _shell_arg(arg: str) -> str:
-    """Quote one argv word, leaving {host}/{port}/{index} as variable references."""
-    parts = re.split(r"(\{host\}|\{port\}|\{index\})", arg)
-    out = "".join(
-        f'"${{{_PLACEHOLDER_VARS[p]}}}"' if p in _PLACEHOLDER_VARS else shlex.quote(p)
-        for p in parts
-        if p
-    )
-    return out or "''"
+def _exports(env: Mapping[str, str], *apart: str) -> str:
+    """`export` of shell-ready values (expressions left unquoted); the `apart` variables
+    on an export of their own after the rest."""
+    first = [f"{k}={v}" for k, v in env.items() if k not in apart]
+    rest = [f"{k}={env[k]}" for k in apart]
+    return "".join(f"export {' '.join(words)}; " for words in (first, rest) if words)
 
 
 def _stage_env(stage: StageSpec) -> str:
     return "".join(f"export {k}={shlex.quote(v)}; " for k, v in stage.env.items())
+
+
+def _placement(stage: StageSpec, host: str, index: str) -> str:
+    """The step's exports of one replica's placement (`stage_render.placement_env`),
+    then the stage's env; the rendezvous directory is the batch shell's."""
+    replica = Replica(host, fixed_port(stage, index), index)
+    apart = (ENV_HOST,) if stage.is_server else ()
+    return _exports(placement_env(stage, replica), *apart) + _stage_env(stage)
 
 
 def _srun(stage: StageSpec, group: int | None, cfg: SlurmConfig) -> str:
@@ -141,39 +155,28 @@ def step_command(stage: StageSpec, cfg: SlurmConfig) -> list[str]:
 
 
 def _server_inner(stage: StageSpec) -> str:
-    base = stage.port_base or DEFAULT_PORTS[stage.name]
     # Ports count over all replicas, not per node: fake nodes on one host (and
     # several replicas on one node) must not collide.
-    return (
-        f"export {ENV_STAGE}={stage.name} {ENV_INDEX}=$SLURM_PROCID "
-        f"{ENV_PORT}=$(({base} + SLURM_PROCID)); "
-        f'export {ENV_HOST}="${{MOERL_ADVERTISE_HOST:-$(hostname)}}"; '
-        + _stage_env(stage)
-        + 'trap "" USR1; exec '
-        + " ".join(_shell_arg(a) for a in stage.command)
-    )
+    return (_placement(stage, _SERVER_HOST, "$SLURM_PROCID")
+            + 'trap "" USR1; exec ' + shell_words(stage))
 
 
 def _ranked_server_inner(stage: StageSpec, cfg: SlurmConfig) -> str:
     """One task per node: replica SLURM_NODEID / span, its node rank the remainder; the
     replica's first node is its torchrun master (its rank 0 serves and announces)."""
-    base = stage.port_base or DEFAULT_PORTS[stage.name]
     span = stage.span
-    launcher = " ".join(shlex.quote(a) for a in cfg.torchrun)
+    launcher = [shlex.quote(a) for a in cfg.torchrun]
     # Each attempt of a requeued job on ports of its own, as the trainer's master port.
     master_port = (f"$(({cfg.cluster.rollout_master_port} + REPLICA + {stage.replicas} * "
                    "${SLURM_RESTART_COUNT:-0}))")
+    torchrun = torchrun_argv(stage, launcher, node_rank=f"$((SLURM_NODEID % {span}))",
+                             master=('"${MOERL_ADVERTISE_HOST:-$SERVER_MASTER}"', master_port))
     return (
         f"REPLICA=$((SLURM_NODEID / {span})); "
         f'SERVER_MASTER=$(scontrol show hostnames "$SLURM_STEP_NODELIST" '
         f'| sed -n "$((REPLICA * {span} + 1))p"); '
-        f"export {ENV_STAGE}={stage.name} {ENV_INDEX}=$REPLICA {ENV_PORT}=$(({base} + REPLICA)); "
-        f'export {ENV_HOST}="${{MOERL_ADVERTISE_HOST:-$(hostname)}}"; '
-        + _stage_env(stage)
-        + f'trap "" USR1; exec {launcher} --nnodes={span} --node-rank=$((SLURM_NODEID % {span})) '
-        f"--nproc-per-node={stage.ranks_per_node} "
-        f'--master-addr="${{MOERL_ADVERTISE_HOST:-$SERVER_MASTER}}" --master-port={master_port} '
-        "--no-python " + " ".join(_shell_arg(a) for a in stage.command)
+        + _placement(stage, _SERVER_HOST, "$REPLICA")
+        + f'trap "" USR1; exec {" ".join(torchrun)} {shell_words(stage)}'
     )
 
 
@@ -182,19 +185,15 @@ def _server_step(stage: StageSpec, group: int | None, cfg: SlurmConfig) -> str:
 
 
 def _trainer_inner(stage: StageSpec, cfg: SlurmConfig) -> str:
-    command = " ".join(_shell_arg(a) for a in stage.command)
-    if stage.torchrun:
-        launcher = " ".join(shlex.quote(a) for a in cfg.torchrun)
-        command = (
-            f"{launcher} --nnodes={stage.nodes} --node-rank=$SLURM_NODEID "
-            f"--nproc-per-node={stage.ranks_per_node} --master-addr=$MASTER_ADDR "
-            f"--master-port=$MASTER_PORT --signals-to-handle={_TORCHRUN_SIGNALS} "
-            f"--shutdown-timeout={max(cfg.cluster.signal_seconds, 30)} --no-python {command}"
-        )
-    return (
-        f"export {ENV_STAGE}=trainer {ENV_INDEX}=$SLURM_NODEID {ENV_PORT}=0 "
-        f'{ENV_HOST}="$(hostname)"; ' + _stage_env(stage) + f"exec {command}"
-    )
+    command = shell_words(stage)
+    if under_torchrun(stage):
+        launcher = [shlex.quote(a) for a in cfg.torchrun]
+        extra = [f"--signals-to-handle={_TORCHRUN_SIGNALS}",
+                 f"--shutdown-timeout={max(cfg.cluster.signal_seconds, 30)}"]
+        torchrun = torchrun_argv(stage, launcher, node_rank="$SLURM_NODEID",
+                                 master=("$MASTER_ADDR", "$MASTER_PORT"), extra=extra)
+        command = f"{' '.join(torchrun)} {command}"
+    return _placement(stage, '"$(hostname)"', "$SLURM_NODEID") + f"exec {command}"
 
 
 def master_port_export(port: int) -> str:
@@ -232,7 +231,7 @@ def render_sbatch(plan: RunPlan, cfg: SlurmConfig) -> str:
     het = len(groups) > 1
     lines = ["#!/bin/bash", *_header(plan, cfg), "", PREAMBLE.strip(), "set -uo pipefail"]
     lines += [
-        f"export MOERL_RENDEZVOUS_DIR={shlex.quote(str(plan.rendezvous_dir))}/$SLURM_JOB_ID",
+        f"export {ENV_RENDEZVOUS}={shlex.quote(str(plan.rendezvous_dir))}/$SLURM_JOB_ID",
         f"LOG_DIR={shlex.quote(str(plan.log_dir))}",
         f"GRACE={cfg.cluster.grace_s} STARTUP_TIMEOUT={cfg.startup_timeout}",
         f"REQUEUE={int(cfg.cluster.requeue)} REQUEUE_EXIT_CODE={REQUEUE_EXIT_CODE}",
@@ -243,8 +242,8 @@ def render_sbatch(plan: RunPlan, cfg: SlurmConfig) -> str:
     ]
     for stage in plan.servers:
         lines += ["", _server_step(stage, groups.index(stage) if het else None, cfg)]
-    for stage in plan.servers:
-        lines.append(f"moerl_wait_announced {stage.name} {stage.replicas} || exit 1")
+    for ready in map(readiness, plan.servers):
+        lines.append(f"moerl_wait_announced {ready.stage} {ready.replicas} || exit 1")
     lines += ["", _trainer_step(plan.trainer, 0 if het else None, cfg), FINISH.strip(), ""]
     return "\n".join(lines)
 

@@ -3,7 +3,9 @@
 A run is three kinds of processes (DESIGN.md): the trainer, rollout servers and
 reward servers. `StageSpec` says what one kind runs and with what resources;
 `RunPlan` groups them with the two shared directories. The same plan is placed on
-one machine by `local.LocalLauncher` and on a cluster by `slurm.render_sbatch`.
+one machine by `local.LocalLauncher`, on a cluster by `slurm.render_sbatch`, and as
+a nemo-run experiment by `nemo`; what each replica is started with (argv, environment,
+port, torchrun, readiness) is derived once, in `stage_render`.
 
 How the processes find each other once started is `moerl.rendezvous`.
 
@@ -18,10 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from moerl.rendezvous import ENV_HOST, ENV_INDEX, ENV_PORT, ENV_RENDEZVOUS, ENV_STAGE
+
 StageName = Literal["trainer", "rollout", "reward", "environment"]
 STAGE_NAMES: tuple[StageName, ...] = ("trainer", "rollout", "reward", "environment")
 
 PLACEHOLDERS = ("{host}", "{port}", "{index}")
+LAUNCHER_VARS = (ENV_RENDEZVOUS, ENV_STAGE, ENV_INDEX, ENV_HOST, ENV_PORT)
+"""what the launcher sets for each replica; a stage's env may not set them."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,8 @@ class StageSpec:
     cpus: int = 1
     """CPUs per replica (for the trainer: per node)."""
     env: Mapping[str, str] = field(default_factory=dict)
+    """added to each replica's environment; the launcher's own variables (LAUNCHER_VARS)
+    are not the stage's to set."""
     health_path: str = "/health"
     port_base: int = 0
     """replica i listens on port_base + i; 0 picks free ports (local only)."""
@@ -71,6 +79,9 @@ class StageSpec:
             raise ValueError(
                 f"stage {self.name}: a replica spanning {self.span} nodes needs nodes = "
                 f"replicas x span = {self.replicas * self.span}, got {self.nodes}")
+        if taken := sorted(set(self.env) & set(LAUNCHER_VARS)):
+            raise ValueError(f"stage {self.name}: env may not set {taken}: the launcher "
+                             "sets them for each replica")
         if not self.health_path.startswith("/"):
             raise ValueError(f"stage {self.name}: health_path must start with '/'")
 
@@ -83,7 +94,7 @@ class StageSpec:
         """a server whose replicas each run as ranks under torchrun."""
         return self.is_server and (self.ranks_per_node > 1 or self.span > 1)
 
-    def argv(self, host: str, port: int, index: int) -> list[str]:
+    def argv(self, host: str, port: int | str, index: int | str) -> list[str]:
         """The command with its placeholders filled in for one replica."""
         values = {"{host}": host, "{port}": str(port), "{index}": str(index)}
         out = []

@@ -38,7 +38,7 @@ def test_server_runs_on_pp_times_lcm_of_tp_and_ep_ranks(tmp_path: Path, tp: int,
                                       f"rollout.pipeline_parallel={pp}"])
     assert (stage.ranks_per_node, stage.span, stage.server_torchrun) == (ranks, 1, True)
     plan = RunPlan((_trainer(), stage), tmp_path / "rdv", tmp_path / "logs")
-    argv = LocalLauncher(plan)._command(stage, 0, 0)
+    argv = LocalLauncher(plan).replica_command(stage, 0, 0)
     assert argv[1:3] == ["-m", "torch.distributed.run"]
     assert f"--nproc-per-node={ranks}" in argv and "--standalone" in argv
     server = argv[argv.index("--no-python") + 1:]
@@ -55,7 +55,7 @@ def test_one_rank_server_has_no_torchrun(tmp_path: Path) -> None:
     stage = _rollout_stage(tmp_path, [])
     assert not stage.server_torchrun
     plan = RunPlan((_trainer(), stage), tmp_path / "rdv", tmp_path / "logs")
-    argv = LocalLauncher(plan)._command(stage, 0, 0)
+    argv = LocalLauncher(plan).replica_command(stage, 0, 0)
     assert "torch.distributed.run" not in argv
     args = _parse(argv[argv.index("rollout") + 1:])
     assert (args.tp, args.ep) == (1, 1)
@@ -68,7 +68,7 @@ def test_an_engine_larger_than_a_node_spans_whole_nodes(tmp_path: Path) -> None:
     assert (stage.ranks_per_node, stage.span, stage.nodes, stage.replicas) == (8, 4, 8, 2)
     plan = RunPlan((_trainer(), stage), tmp_path / "rdv", tmp_path / "logs")
     with pytest.raises(ValueError, match="launcher=slurm"):
-        LocalLauncher(plan)._command(stage, 0, 0)
+        LocalLauncher(plan).replica_command(stage, 0, 0)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
