@@ -48,6 +48,7 @@ from moerl.launchers.slurm import (
 )
 from moerl.launchers.stage_render import (
     Replica,
+    count_announced,
     fixed_port,
     local_command,
     placement_env,
@@ -80,8 +81,8 @@ def _wait_for_servers(plan: RunPlan, timeout: int) -> str:
     """Bash that returns once every server replica has announced itself."""
     lines = [f"deadline=$((SECONDS + {timeout}))"]
     for ready in map(readiness, plan.servers):
-        count = (f"$(find \"${ENV_RENDEZVOUS}/{ready.stage}\" -maxdepth 1 -name '[0-9]*.addr' "
-                 "2>/dev/null | wc -l)")
+        stage_dir = f'"${ENV_RENDEZVOUS}/{ready.stage}"'
+        count = f"$({count_announced(stage_dir)})"
         lines.append(f'until [ "{count}" -ge {ready.replicas} ]; do [ "$SECONDS" -lt '
                      f"\"$deadline\" ] || {{ echo 'moerl: {ready.stage} not announced after "
                      f"{timeout} s' >&2; exit 1; }}; sleep 1; done")

@@ -4,6 +4,8 @@ Kept apart from the Python that fills in the per-run lines so each reads on its
 own; the functions here are what the batch shell runs around the job steps.
 """
 
+from moerl.launchers.stage_render import count_announced
+
 PREAMBLE = """
 # Rendered by moerl.launchers.slurm.render_sbatch. Each stage is one job step of
 # this heterogeneous job: servers in the background, each replica writing
@@ -32,7 +34,7 @@ moerl_check_servers() {  # fails, naming the stage, once any server step has end
 moerl_wait_announced() {  # STAGE EXPECTED
   local deadline=$((SECONDS + STARTUP_TIMEOUT)) n
   while :; do
-    n=$(find "$MOERL_RENDEZVOUS_DIR/$1" -maxdepth 1 -name '[0-9]*.addr' 2>/dev/null | wc -l)
+    n=$(@COUNT_ANNOUNCED@)
     [ "$n" -ge "$2" ] && return 0
     moerl_check_servers || return 1
     if [ "$SECONDS" -ge "$deadline" ]; then
@@ -70,6 +72,8 @@ trap moerl_cleanup EXIT
 trap 'exit 143' TERM INT
 trap moerl_preempt USR1
 """
+
+FUNCTIONS = FUNCTIONS.replace("@COUNT_ANNOUNCED@", count_announced('"$MOERL_RENDEZVOUS_DIR/$1"'))
 
 FINISH = r"""
 while kill -0 "$TRAINER_PID" 2>/dev/null; do

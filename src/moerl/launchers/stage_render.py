@@ -23,11 +23,14 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from moerl.config import ClusterConfig
 from moerl.launchers.stages import PLACEHOLDERS, StageSpec
 from moerl.rendezvous import ENV_HOST, ENV_INDEX, ENV_PORT, ENV_RENDEZVOUS, ENV_STAGE
 
-DEFAULT_PORTS = {"rollout": 8000, "reward": 8100, "environment": 8200}
-"""first ports of the servers without a port_base where ports are fixed in advance."""
+DEFAULT_PORTS = {name: getattr(ClusterConfig, f"{name}_port")
+                 for name in ("rollout", "reward", "environment")}
+"""first ports of the servers without a port_base where ports are fixed in advance:
+the cluster config's defaults."""
 PLACEHOLDER_VARS = dict(zip(PLACEHOLDERS, (ENV_HOST, ENV_PORT, ENV_INDEX), strict=True))
 """each command placeholder and the variable that carries the same value."""
 LOCAL_TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
@@ -56,6 +59,12 @@ class Readiness:
 
 def readiness(stage: StageSpec) -> Readiness:
     return Readiness(stage.name, stage.replicas, stage.health_path)
+
+
+def count_announced(stage_dir: str) -> str:
+    """Shell that prints how many replicas have announced themselves in `stage_dir` (a
+    shell word): the finished `<index>.addr` files, not the temporary ones."""
+    return f"find {stage_dir} -maxdepth 1 -name '[0-9]*.addr' 2>/dev/null | wc -l"
 
 
 def fixed_port(stage: StageSpec, index: str) -> str:
