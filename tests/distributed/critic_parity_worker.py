@@ -37,6 +37,8 @@ from moerl.parallel.layout import ParallelLayout
 from moerl.rl.config import RLConfig
 from moerl.rl.critic import Critic
 from moerl.rl.critic_config import CriticConfig
+from moerl.rl.loop import update
+from moerl.rl.peers import Peers
 from moerl.rl.policy import Policy
 
 # The critic's own lr, below the policy's: at 1e-2 its first step moved the values past
@@ -80,21 +82,17 @@ def run(args: argparse.Namespace, layout: ParallelLayout) -> dict[str, Any]:
         save_weights(build_model(TINY, layout), args.ckpt)
         moe_logging.destroy_moe_metrics_tracker()
     torch.manual_seed(99)  # the loaded weights must not depend on this
-    policy = Policy.build(
-        TINY, layout, PARITY_OPTIM, groups,
-        RLConfig(objective="ppo_clip", token_budget=48, advantage="gae", kl_in_reward=0.05,
-                 gae_gamma=0.99, gae_lambda=0.9),
-        weights=args.ckpt,
-    )
-    critic = policy.critic = Critic.build(TINY, layout, PARITY_OPTIM, groups, CRITIC,
-                                          init_from=policy.chunks, seed=5)
+    cfg = RLConfig(objective="ppo_clip", token_budget=48, advantage="gae", kl_in_reward=0.05,
+                   gae_gamma=0.99, gae_lambda=0.9, critic=CRITIC, seed=5)  # the head's seed
+    peers = Peers.build(TINY, layout, PARITY_OPTIM, groups, cfg, weights=args.ckpt)
+    policy, critic = peers.policy, peers.need_critic()
     model = list(critic.trainable.model)
     grads = record_gradients(critic.trainable.optimizer, model)
     margins = RoutingMargins()
     margins.install()
     batch = samples()
     before = completion_values(policy, critic, batch)
-    metrics = policy.update(batch, num_minibatches=2)
+    metrics = update(cfg, peers, batch, num_minibatches=2)
     after = completion_values(policy, critic, batch)
     result: dict[str, Any] = {
         "layout": layout.describe(), "rank": groups.rank, "values": before,

@@ -28,8 +28,9 @@ from moerl.models.weights import save_weights
 from moerl.parallel.groups import destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
 from moerl.rl.config import RLConfig
+from moerl.rl.loop import update
 from moerl.rl.losses import GRPOConfig
-from moerl.rl.policy import Policy
+from moerl.rl.peers import Peers
 from moerl.trainer.config import OptimConfig
 
 
@@ -54,14 +55,13 @@ def run(layout: ParallelLayout, ckpt: Path, save: bool) -> dict[str, object]:
         save_weights(build_model(TINY, layout), ckpt)
         moe_logging.destroy_moe_metrics_tracker()
     torch.manual_seed(99)  # the loaded weights must not depend on this
-    policy = Policy.build(
-        TINY, layout, OptimConfig(lr=1e-3, clip_grad=1.0), groups,
-        RLConfig(objective_args=GRPOConfig(kl_coef=0.04, entropy_coef=0.01), token_budget=48),
-        weights=ckpt,
-    )
+    cfg = RLConfig(objective_args=GRPOConfig(kl_coef=0.04, entropy_coef=0.01), token_budget=48)
+    peers = Peers.build(TINY, layout, OptimConfig(lr=1e-3, clip_grad=1.0), groups, cfg,
+                        weights=ckpt)
+    policy = peers.policy
     batch = samples()
     before = completion_logprobs(policy, batch)
-    metrics = policy.update(batch)
+    metrics = update(cfg, peers, batch)
     after = completion_logprobs(policy, batch)
     dist.barrier()
     result = {

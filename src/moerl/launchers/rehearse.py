@@ -13,7 +13,7 @@ seq_length) changes the recipe, any other is a `moerl train` override of its run
 2. the run's settings against the plan's step (`planning.run_at_scale`): samples per
    update, sample length, micro-batches and the pipeline schedule, sandboxes per core,
    init weights and tokenizer;
-3. each distinct trainer rank, built by the trainer's own `build_policy` (policy,
+3. each distinct trainer rank, built by the trainer's own `build_peers` (policy,
    reference, critic, DDP buffers, distributed optimizer state) on a fake rank of the
    job's world size, and each distinct rollout rank, built as the server's command line
    would build it (its layout, precision, `--max-batch`) with the KV cache its
@@ -155,7 +155,7 @@ def planned_run(recipe: Recipe, cfg: RunConfig) -> tuple[RunSettings, list[str]]
 
 def _trainer_ranks(cfg: RunConfig, run: RunSettings, budget: float, busiest: bool
                    ) -> list[Rehearsed]:
-    from moerl.launchers.trainer_stage import build_policy
+    from moerl.launchers.trainer_stage import build_peers
     from moerl.models.precision import RecomputeConfig
     from moerl.rehearsal.build import trainer_rank_bytes
     from moerl.rehearsal.stages import distinct_stages
@@ -170,7 +170,7 @@ def _trainer_ranks(cfg: RunConfig, run: RunSettings, budget: float, busiest: boo
     for stage in stages:
         pp_rank, built = trainer_rank_bytes(
             cfg.parallel, stage.rank,
-            lambda groups: build_policy(cfg, groups, None, None, precision, RecomputeConfig()),
+            lambda groups: build_peers(cfg, groups, None, None, precision, RecomputeConfig()),
             fp8=cfg.precision.fp8_param)
         assert pp_rank == stage.pp_rank, (pp_rank, stage)
         planned = rank_memory(cfg.model, cfg.parallel, run, pp_rank).terms

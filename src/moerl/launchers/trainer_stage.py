@@ -41,7 +41,7 @@ from moerl.rl.agent_collect import (
 )
 from moerl.rl.domains import domain_runs
 from moerl.rl.loop import Controller, train
-from moerl.rl.policy import Policy
+from moerl.rl.peers import Peers
 from moerl.rl.resume import RLCheckpoints
 from moerl.rl.weight_sync_build import build_weight_sync
 from moerl.rollout.client import RolloutClient
@@ -148,22 +148,15 @@ def trainer_main(cfg: RunConfig, dirs: RunLayout) -> int:
         destroy_parallel()
 
 
-def build_policy(cfg: RunConfig, groups: ParallelGroups, weights: str | Path | None,
-                 reference_weights: str | Path | None, precision: ResolvedPrecision,
-                 recompute: RecomputeConfig) -> Policy:
+def build_peers(cfg: RunConfig, groups: ParallelGroups, weights: str | Path | None,
+                reference_weights: str | Path | None, precision: ResolvedPrecision,
+                recompute: RecomputeConfig) -> Peers:
     """The policy, its reference and, with `rl.advantage=gae`, PPO's critic: what every
-    trainer rank builds (also `moerl rehearse`, on a fake rank)."""
-    policy = Policy.build(
-        cfg.model, cfg.parallel, cfg.optim, groups, cfg.rl, weights=weights,
-        reference_weights=reference_weights, precision=precision, recompute=recompute,
-    )
-    if cfg.rl.advantage == "gae":  # PPO's critic; a resume then loads it from the checkpoint
-        from moerl.rl.critic import Critic
-
-        policy.critic = Critic.build(
-            cfg.model, cfg.parallel, cfg.optim, groups, cfg.rl.critic, init_from=policy.chunks,
-            seed=cfg.rl.seed, precision=precision, recompute=recompute)
-    return policy
+    trainer rank builds (also `moerl rehearse`, on a fake rank). A resume then loads the
+    policy and the critic from the checkpoint."""
+    return Peers.build(cfg.model, cfg.parallel, cfg.optim, groups, cfg.rl, weights=weights,
+                       reference_weights=reference_weights, precision=precision,
+                       recompute=recompute)
 
 
 def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSignal) -> bool:
@@ -181,10 +174,10 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
     resuming = ckpt is not None and ckpt.found() is not None
     if cfg.sft.steps and not resuming:
         sft_phase(cfg, groups, tok, records, dirs.sft_weights)
-    policy = build_policy(cfg, groups, None if resuming else start,
-                          ckpt.reference_weights() if ckpt else None,
-                          resolve_precision(cfg.precision), cfg.recompute)
-    state = ckpt.load(policy) if ckpt else None
+    peers = build_peers(cfg, groups, None if resuming else start,
+                        ckpt.reference_weights() if ckpt else None,
+                        resolve_precision(cfg.precision), cfg.recompute)
+    state = ckpt.load(peers) if ckpt else None
     first = state.next_step if state else 0
     ctl = None
     if groups.rank == 0:
@@ -208,15 +201,15 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
                              ctl.rollout_client if ctl else None,
                              keep=cfg.rl.keep_weight_versions,
                              hf_model_dir=cfg.rollout.hf_model_dir, dtype=cfg.rollout.dtype,
-                             mode=cfg.rl.weight_sync, arch=policy.arch,
+                             mode=cfg.rl.weight_sync, arch=peers.policy.arch,
                              staging_bytes=cfg.rl.weight_sync_staging_bytes,
                              timeout_s=cfg.rl.weight_sync_timeout_s,
                              server_ranks=cfg.rollout.tensor_parallel
                              * cfg.rollout.pipeline_parallel,
                              initial=_first_version(ckpt, start))
-    sync.push(policy, first)  # the servers start from the trainer's (resumed) weights
-    on_step_end = ckpt.step_end_hook(policy, stop, cfg.rl.steps) if ckpt else None
-    stopped = train(cfg.rl, policy, sync, ctl, start_step=first, on_step_end=on_step_end)
+    sync.push(peers.policy, first)  # the servers start from the trainer's (resumed) weights
+    on_step_end = ckpt.step_end_hook(peers, stop, cfg.rl.steps) if ckpt else None
+    stopped = train(cfg.rl, peers, sync, ctl, start_step=first, on_step_end=on_step_end)
     if ckpt is not None:
         ckpt.close()
     if stopped:

@@ -1,4 +1,4 @@
-"""The bytes one rank builds: trainer ranks through the run's policy builder, rollout
+"""The bytes one rank builds: trainer ranks through the run's builder of its models, rollout
 ranks through the engine's model and KV cache, each on a fake rank (`fake_rank`).
 
 Trainer terms (`trainer.memory_census`): the policy's weights, main_grads (with DDP's
@@ -25,9 +25,9 @@ from moerl.trainer.memory_census import init_optimizer_state, trainable_bytes, w
 from moerl.trainer.optimizer import Trainable
 
 if TYPE_CHECKING:
-    from moerl.rl.policy import Policy
+    from moerl.rl.peers import Peers
 
-BuildPolicy = Callable[[ParallelGroups], "Policy"]
+BuildPeers = Callable[[ParallelGroups], "Peers"]
 
 
 def _trainable_terms(trainable: Trainable, fp8: bool) -> dict[str, int]:
@@ -38,17 +38,17 @@ def _trainable_terms(trainable: Trainable, fp8: bool) -> dict[str, int]:
     return terms
 
 
-def trainer_rank_bytes(layout: ParallelLayout, rank: int, build: BuildPolicy, fp8: bool
+def trainer_rank_bytes(layout: ParallelLayout, rank: int, build: BuildPeers, fp8: bool
                        ) -> tuple[int, dict[str, int]]:
     """(pipeline rank, bytes per term) of global trainer `rank`, built by `build`."""
     with fake_rank(layout, rank) as groups:
-        policy = build(groups)
-        terms = _trainable_terms(policy.trainable, fp8)
-        reference = policy.reference or []
+        peers = build(groups)
+        terms = _trainable_terms(peers.policy.trainable, fp8)
+        reference = peers.reference.chunks if peers.reference is not None else []
         terms["reference_weights"] = weight_bytes(
             reference, fp8_weight_width(reference) if fp8 else None)
-        if policy.critic is not None:
-            critic = _trainable_terms(policy.critic.trainable, fp8)
+        if peers.critic is not None:
+            critic = _trainable_terms(peers.critic.trainable, fp8)
             terms.update({f"critic_{name}": value for name, value in critic.items()})
         return groups.pp_rank, terms
 

@@ -1,7 +1,7 @@
 """Per-token advantages of PPO with a critic (`rl.advantage=gae`), computed in the update.
 
 Once the step's values V_t (the critic's, before it trains on the step) and the reference
-logprobs of every micro-batch are known (`Policy.update`):
+logprobs of every micro-batch are known (the loop's `update`, rl/loop.py):
 
     r_t     = -beta * (log pi_old(t) - log pi_ref(t))   (+ R_i on the last loss token)
     delta_t = r_t + gamma * V_next(t) - V_t

@@ -1,7 +1,11 @@
 """The RL algorithm, top to bottom.
 
     prompts -> rollout servers (n samples each) -> reward servers -> dynamic sampling
-    -> advantages -> policy update -> weight sync -> metrics -> checkpoint / evaluation
+    -> update (reference logprobs -> values -> advantages -> critic update -> policy
+    update) -> weight sync -> metrics -> checkpoint / evaluation
+
+The models are peers (rl/peers.py): the policy, the frozen reference model and PPO's
+critic are separate objects, none holding another; `update` asks each in turn.
 
 Every trainer rank runs `train`; only the controller rank (global rank 0) talks to
 the servers, and the batch it collects is broadcast to the others. In async mode
@@ -15,7 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,7 +37,8 @@ from moerl.rl.config import RLConfig
 from moerl.rl.domains import DomainRun, Generation, domain_metrics, run_round
 from moerl.rl.evaluate import evaluate
 from moerl.rl.group import Group, group_metrics
-from moerl.rl.policy import Policy
+from moerl.rl.peers import Peers
+from moerl.rl.update_advantages import critic_steps, gae_step, reinforce_pp_step, sat_out
 from moerl.rl.weight_sync import WeightSync
 from moerl.rollout.client import RolloutClient
 from moerl.rollout.speculative.metrics import speculation_metrics
@@ -143,6 +148,46 @@ def drop_stale(batch: Batch, version: int, max_staleness: int) -> Batch:
     return Batch(fresh, metrics)
 
 
+def update(cfg: RLConfig, peers: Peers, samples: Sequence[RLSample],
+           num_minibatches: int = 1) -> dict[str, float]:
+    """One step's training on `samples` (the same list on every rank), split into
+    `num_minibatches` minibatches, in this order:
+
+    1. every minibatch packed, with pi_old (the policy's) and the reference's
+       logprobs, before any weight moves;
+    2. with a critic (`rl.advantage=gae`): its values of every micro-batch, before it
+       moves; GAE advantages and value targets over the whole step; one critic step per
+       minibatch. `rl.advantage=reinforce_pp`: its advantages over the whole step;
+    3. one policy step per minibatch, except during the critic's warm-up (its first
+       `rl.critic.warmup_steps` updates).
+
+    Metrics: the policy's, averaged over its steps (maxima: the largest), then the
+    advantages' and the critic's."""
+    if len(samples) < num_minibatches:
+        raise ValueError(f"{len(samples)} samples cannot make {num_minibatches} minibatches")
+    size = -(-len(samples) // num_minibatches)
+    parts = [samples[i : i + size] for i in range(0, len(samples), size)]
+    prepared = [peers.prepare(part, first=i == 0) for i, part in enumerate(parts)]
+    extra: dict[str, float] = {}
+    moves = True
+    if cfg.advantage == "reinforce_pp":
+        dp_group = peers.policy.groups.dp_group
+        prepared, extra = reinforce_pp_step(prepared, cfg.kl_in_reward, dp_group)
+    elif cfg.advantage == "gae":
+        critic, dp_group = peers.need_critic(), peers.policy.groups.dp_group
+        # values (V_old, before the critic moves) -> advantages -> critic update
+        values = [critic.values(p.micro) for p in prepared]
+        advantaged, returns, extra = gae_step(prepared, parts, values, cfg, dp_group)
+        extra |= critic_steps(critic, prepared, values, returns)
+        prepared = advantaged
+        moves = peers.updates >= critic.cfg.warmup_steps
+        extra["critic_warmup"] = float(not moves)
+    # -> policy update
+    metrics = peers.policy.update(prepared) if moves else sat_out(prepared)
+    peers.updates += 1
+    return {**metrics, **extra}
+
+
 @dataclass(frozen=True)
 class StepEnd:
     """What `on_step_end` learns after a step trained and its weights were pushed."""
@@ -154,9 +199,10 @@ class StepEnd:
     """Async: batches already collected for later steps (a resume collects them again)."""
 
 
-def train(cfg: RLConfig, policy: Policy, sync: WeightSync, ctl: Controller | None,
+def train(cfg: RLConfig, peers: Peers, sync: WeightSync, ctl: Controller | None,
           start_step: int = 0, on_step_end: Callable[[StepEnd], bool] | None = None) -> bool:
     """RL steps [start_step, cfg.steps). `ctl` is None on every rank but the controller.
+    Each step trains `peers` (`update`) and pushes the policy's weights.
 
     The rollout servers must already serve the policy's current weights as version
     `start_step`. Evaluations run at step 0, every `eval_interval` steps and at the
@@ -178,9 +224,10 @@ def train(cfg: RLConfig, policy: Policy, sync: WeightSync, ctl: Controller | Non
         batch = drop_stale(_share(mine), step, cfg.max_staleness)
         timer = StepTimer()
         with timer.phase("train"):
-            metrics = policy.update(batch.samples, cfg.updates_per_step) if batch.samples else {}
+            metrics = (update(cfg, peers, batch.samples, cfg.updates_per_step)
+                       if batch.samples else {})
         with timer.phase("sync"):
-            sync.push(policy, step + 1)
+            sync.push(peers.policy, step + 1)
         if ctl is not None:
             row = {**batch.metrics, **{f"train/{k}": v for k, v in metrics.items()},
                    **timer.as_metrics(), "weights/version": float(step + 1),

@@ -1,21 +1,22 @@
-"""The policy on the Megatron model: logprobs of given sequences, the RL update, publishing.
+"""The policy on the Megatron model: logprobs of given sequences, its update, publishing.
 
     policy = Policy.build(arch, layout, optim, groups, RLConfig(objective="grpo"))
-    metrics = policy.update(samples)        # every rank passes the same global batch
+    micro = policy.pack(samples)            # every rank passes the same global batch
+    prepared = Prepared(micro, policy.old_logprobs(micro), ref, policy.denominator(micro))
+    metrics = policy.update([prepared])     # one optimizer step per Prepared
     path = policy.publish(run_dir / "v1")   # weights for the rollout servers
 
-One update, as the `rl` group (RLConfig) says (objective, token budget, advantages,
-routing replay): the samples are split over data-parallel ranks and packed into same-shape
-micro-batches (data.rl_batch); old logprobs (recomputed with the current weights, or the
-rollout's) and reference logprobs come from forward-only passes, except the first
-minibatch's recomputed old logprobs: the weights have not moved yet, so they are the
-update's own forward, detached (one forward pass fewer per step); the global
-`Denominator` counts loss tokens and sequences over all micro-batches and DP ranks; the
-objective runs per micro-batch inside Megatron's pipeline schedule; one optimizer step.
-With a critic (`rl.advantage=gae`, rl/critic.py) the critic's values of every
-micro-batch are computed next, the per-token advantages and value targets come from
-them (rl/gae_returns.py), the critic takes one step per minibatch, and the policy its
-own, except during the critic's warm-up (its first `warmup_steps` updates).
+The policy trains alone: the loop (rl/loop.py `update`, through rl/peers.py) prepares
+each minibatch (the policy packs it and computes pi_old, the reference model its
+logprobs `ref`), sets the per-token advantages (with a critic, from its values) and then
+calls `update`. As the `rl` group (RLConfig) says (objective, token budget, routing
+replay): the samples are split over data-parallel ranks and packed into same-shape
+micro-batches (data.rl_batch); old logprobs are recomputed with the current weights, or
+the rollout's, except the first minibatch's recomputed ones: the weights have not moved
+yet, so they are the update's own forward, detached (one forward pass fewer per step);
+the global `Denominator` counts loss tokens and sequences over all micro-batches and DP
+ranks; the objective runs per micro-batch inside Megatron's pipeline schedule; one
+optimizer step per minibatch.
 
 Loss scaling. The model config runs with `calculate_per_token_loss`: the schedule sums the
 token counts the loss function returns, `finalize_model_grads` all-reduces that sum over
@@ -32,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,21 +49,18 @@ from moerl.parallel.groups import ParallelGroups
 from moerl.parallel.layout import ParallelLayout
 from moerl.rl.config import RLConfig
 from moerl.rl.forward import ForwardHooks, cp_share, forward_logprobs, run_schedule, token_logprobs
-from moerl.rl.losses import PolicyLossInputs, build_objective, global_denominator
+from moerl.rl.losses import Denominator, PolicyLossInputs, build_objective, global_denominator
 from moerl.rl.policy_metrics import gap_metrics, gap_report, reduce_reports
 from moerl.rl.routing import ExpertLoad, RoutingReplay
-from moerl.rl.update_advantages import Prepared, gae_step, reinforce_pp_step
+from moerl.rl.update_advantages import Prepared
 from moerl.trainer.config import OptimConfig
 from moerl.trainer.optimizer import Trainable, build_optimizer
-
-if TYPE_CHECKING:
-    from moerl.rl.critic import Critic
 
 LogprobPair = tuple[torch.Tensor, torch.Tensor]  # (logprobs, entropy), each (B, T)
 
 
 class Policy:
-    """The trained model, its optimizer, an optional frozen reference, and the RL update."""
+    """The trained model, its optimizer, and its update."""
 
     def __init__(
         self,
@@ -70,8 +68,6 @@ class Policy:
         arch: MoEArch,
         groups: ParallelGroups,
         cfg: RLConfig | None = None,
-        reference: list[torch.nn.Module] | None = None,
-        critic: Critic | None = None,
     ) -> None:
         config = trainable.model[0].config
         if not config.calculate_per_token_loss:
@@ -79,15 +75,9 @@ class Policy:
         self.trainable, self.arch, self.groups = trainable, arch, groups
         self.cfg = cfg or RLConfig()
         self.objective = build_objective(self.cfg.objective, self.cfg.objective_args)
-        self.reference = reference
-        self.critic = critic
-        self.updates = 0  # update() calls so far; a resume restores it (rl.resume)
         chunks: list[torch.nn.Module] = list(trainable.model)
         self.load = ExpertLoad(chunks, arch)
         self.replay = RoutingReplay(chunks, arch) if self.cfg.routing_replay else None
-        self.ref_replay = (
-            RoutingReplay(reference, arch) if reference and self.cfg.routing_replay else None
-        )
 
     @classmethod
     def build(
@@ -98,36 +88,19 @@ class Policy:
         groups: ParallelGroups,
         cfg: RLConfig | None = None,
         weights: str | Path | None = None,
-        reference_weights: str | Path | None = None,
         precision: ResolvedPrecision | None = None,
         recompute: RecomputeConfig | None = None,
     ) -> Policy:
-        """Model (from `weights` if given), optimizer, and the reference model.
-
-        The reference loads `reference_weights`, or else is a copy of the initial policy.
-        `precision`: the run's, resolved (None: this machine's default).
-        """
-        cfg = cfg or RLConfig()
+        """Model (from `weights` if given) and optimizer. `precision`: the run's,
+        resolved (None: this machine's default)."""
         precision = precision or resolve_precision()
         chunks = build_model(arch, layout, precision=precision, recompute=recompute,
                              backend=groups.backend)
         if weights is not None:
             load_weights(list(chunks), weights)
-        reference = None
-        if cfg.use_reference:
-            reference = list(build_model(arch, layout, precision=precision,
-                                         backend=groups.backend))
-            if reference_weights is not None:
-                load_weights(reference, reference_weights)
-            else:
-                for ref, src in zip(reference, chunks, strict=True):
-                    ref.load_state_dict(src.state_dict())
-            for ref in reference:
-                ref.eval()
-                ref.requires_grad_(False)
         trainable = build_optimizer(chunks, optim, layout,
                                     offload=precision.config.offload_optimizer)
-        return cls(trainable, arch, groups, cfg, reference)
+        return cls(trainable, arch, groups, cfg)
 
     @property
     def cp_group(self) -> dist.ProcessGroup | None:
@@ -144,69 +117,35 @@ class Policy:
                                  layout.sequence_multiple())
         return pack(samples, plan, self.groups.dp_rank)
 
-    def logprobs(
-        self, micro: Sequence[RLMicroBatch], reference: bool = False
-    ) -> list[LogprobPair]:
-        """Per-token (logprobs, entropy) of the policy (or the reference), on every rank."""
-        if reference and self.reference is None:
-            raise ValueError("this policy was built without a reference model")
-        chunks = self.reference if reference and self.reference else self.chunks
-        replay = self.ref_replay if reference else self.replay
+    def logprobs(self, micro: Sequence[RLMicroBatch]) -> list[LogprobPair]:
+        """Per-token (logprobs, entropy) of the policy, on every rank (forward only)."""
         return forward_logprobs(
-            chunks, micro, tp_group=self.groups.tp_group, device=self.groups.device,
-            hooks=ForwardHooks(replay=replay), cp_group=self.cp_group,
+            self.chunks, micro, tp_group=self.groups.tp_group, device=self.groups.device,
+            hooks=ForwardHooks(replay=self.replay), cp_group=self.cp_group,
         )
 
-    def update(self, samples: Sequence[RLSample], num_minibatches: int = 1) -> dict[str, float]:
-        """`num_minibatches` optimizer steps over `samples` (the same list on every rank).
-
-        pi_old and the reference logprobs are computed for all of them before the first
-        step. Metrics are averaged over the steps (maxima: the largest).
-        """
-        if len(samples) < num_minibatches:
-            raise ValueError(f"{len(samples)} samples cannot make {num_minibatches} minibatches")
-        size = -(-len(samples) // num_minibatches)
-        parts = [samples[i : i + size] for i in range(0, len(samples), size)]
-        prepared = [self._prepare(part, first=i == 0) for i, part in enumerate(parts)]
-        extra: dict[str, float] = {}
-        moves = True
-        dp_group = self.groups.dp_group
-        if self.cfg.advantage == "reinforce_pp":
-            prepared, extra = reinforce_pp_step(prepared, self.cfg.kl_in_reward, dp_group)
-        elif self.cfg.advantage == "gae":
-            if self.critic is None:
-                raise ValueError("rl.advantage=gae needs a critic (Policy(critic=...))")
-            prepared, extra = gae_step(prepared, parts, self.critic, self.cfg, dp_group)
-            moves = self.updates >= self.critic.cfg.warmup_steps
-            extra["critic_warmup"] = float(not moves)
-        if moves:
-            metrics = _average([self._step(p) for p in prepared])
-        else:  # the critic's warm-up: what the policy would have trained on
-            metrics = {key: sum(getattr(p.denom, attr) for p in prepared) / len(prepared)
-                       for key, attr in (("tokens", "num_tokens"), ("sequences", "num_seqs"))}
-        self.updates += 1
-        return {**metrics, **extra}
-
-    def checkpoint_parts(self) -> dict[str, Trainable]:
-        """The trainables saved beside the policy's in each checkpoint, by name."""
-        return {"critic": self.critic.trainable} if self.critic is not None else {}
-
-    def _prepare(self, samples: Sequence[RLSample], first: bool = True) -> Prepared:
-        """`first`: the step's first minibatch, trained before any weight moves."""
-        micro = self.pack(samples)
-        old: list[torch.Tensor] | None = None
+    def old_logprobs(self, micro: Sequence[RLMicroBatch], first: bool = True
+                     ) -> list[torch.Tensor] | None:
+        """pi_old of `micro`: recomputed with the current weights, or the rollout's
+        (`rl.recompute_old_logprobs`). `first`: the step's first minibatch, trained
+        before any weight moves, whose recomputed pi_old is the update's own forward
+        (None)."""
         if self.cfg.recompute_old_logprobs:
-            if not first:
-                old = [lp for lp, _ in self.logprobs(micro)]
-        else:
-            if any(mb.rollout_logprobs is None for mb in micro):
-                raise ValueError("recompute_old_logprobs=False needs rollout logprobs")
-            old = [mb.rollout_logprobs for mb in micro]  # type: ignore[misc]
-        ref = [lp for lp, _ in self.logprobs(micro, reference=True)] if self.reference else None
-        masks = [mb.loss_mask for mb in micro]
-        denom = global_denominator(masks, self.cfg.objective_args.norm_len,
-                                   group=self.groups.dp_group)
-        return Prepared(micro, old, ref, denom)
+            return None if first else [lp for lp, _ in self.logprobs(micro)]
+        if any(mb.rollout_logprobs is None for mb in micro):
+            raise ValueError("recompute_old_logprobs=False needs rollout logprobs")
+        return [mb.rollout_logprobs for mb in micro]  # type: ignore[misc]
+
+    def denominator(self, micro: Sequence[RLMicroBatch]) -> Denominator:
+        """The loss tokens and sequences of `micro` over every data-parallel rank."""
+        return global_denominator([mb.loss_mask for mb in micro],
+                                  self.cfg.objective_args.norm_len, group=self.groups.dp_group)
+
+    def update(self, prepared: Sequence[Prepared]) -> dict[str, float]:
+        """One optimizer step per prepared minibatch, in order (their micro-batches carry
+        the per-token advantages). Metrics are averaged over the steps (maxima: the
+        largest)."""
+        return _average([self._step(p) for p in prepared])
 
     def _step(self, p: Prepared) -> dict[str, float]:
         reports = self.forward_backward(p)

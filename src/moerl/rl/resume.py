@@ -15,7 +15,8 @@ part "critic". The RL run adds, as the checkpoint's JSON `rl` state:
                      directory the run started from (`init_weights` or the SFT warm-up's
                      output)} or, for a run that started from a fresh model,
                      {"weights": null, "seed", "layout"}
-    updates          the policy's update() calls so far (the critic's warm-up counts them)
+    updates          the loop's updates so far (`Peers.updates`; the critic's warm-up
+                     counts them)
 
 The reference model is the policy as RL started, so it is read from where those
 weights already are: nothing is copied at start-up. A resume loads it from the
@@ -38,7 +39,7 @@ from moerl.checkpoint.config import CheckpointConfig, CheckpointError, Fingerpri
 from moerl.checkpoint.store import complete_checkpoints
 from moerl.models.weights_marker import is_complete
 from moerl.rl.loop import StepEnd
-from moerl.rl.policy import Policy
+from moerl.rl.peers import Peers
 from moerl.signals import StopOnSignal
 
 RL_STATE = "rl"
@@ -147,17 +148,18 @@ class RLCheckpoints:
         self.reference = {"weights": str(self._legacy_dir)}
         return self._legacy_dir
 
-    def load(self, policy: Policy) -> RLState | None:
-        """Resume `policy` from the checkpoint found (None: a fresh start)."""
-        resumed = self.checkpointer.load(policy.trainable, require=(RL_STATE,),
-                                         parts=policy.checkpoint_parts())
+    def load(self, peers: Peers) -> RLState | None:
+        """Resume the policy and the critic of `peers` from the checkpoint found (None: a
+        fresh start)."""
+        resumed = self.checkpointer.load(peers.policy.trainable, require=(RL_STATE,),
+                                         parts=peers.checkpoint_parts())
         if resumed is None:
             return None
         state = RLState.from_extra(resumed.extra, resumed.path)
-        policy.updates = state.updates
+        peers.updates = state.updates
         return state
 
-    def step_end_hook(self, policy: Policy, stop: StopOnSignal,
+    def step_end_hook(self, peers: Peers, stop: StopOnSignal,
                       steps: int) -> Callable[[StepEnd], bool]:
         """`rl.loop.train`'s `on_step_end`: save when due or at the end; on a stop
         signal save and return True, which ends the run."""
@@ -166,10 +168,10 @@ class RLCheckpoints:
             done = end.step + 1
             rl = {"next_step": done, "weight_version": done, "prompts": end.prompts,
                   "collected_ahead": end.collected_ahead, "reference": self.reference,
-                  "updates": policy.updates}
-            return self.checkpointer.end_of_step(done, policy.trainable, {RL_STATE: rl}, stop,
-                                                 last=done == steps,
-                                                 parts=policy.checkpoint_parts())
+                  "updates": peers.updates}
+            return self.checkpointer.end_of_step(done, peers.policy.trainable, {RL_STATE: rl},
+                                                 stop, last=done == steps,
+                                                 parts=peers.checkpoint_parts())
 
         return on_step_end
 

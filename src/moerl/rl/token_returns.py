@@ -2,7 +2,7 @@
 optional KL penalty in the reward (`rl.advantage=reinforce_pp`, `rl.kl_in_reward`).
 
 Scoring leaves each sample's raw reward R_i as its advantage; once the reference
-logprobs of every micro-batch of the step are known (`Policy._prepare`), this turns
+logprobs of every micro-batch of the step are known (`Peers.prepare`), this turns
 them into (Hu 2025, `advantages.reinforce_plus_plus`):
 
     r_t = -beta * (log pi_old(t) - log pi_ref(t))   (+ R_i on the last loss token)

@@ -1,17 +1,19 @@
 """Per-token advantages that need the update's own forwards, over one step's minibatches.
 
-`Policy.update` prepares every minibatch of the step first (its micro-batches, pi_old
-and reference logprobs, the global `Denominator`: a `Prepared` each); then
+The loop's `update` (rl/loop.py) prepares every minibatch of the step first (its
+micro-batches, pi_old and reference logprobs, the global `Denominator`: a `Prepared`
+each); then
 
   * reinforce_pp: `reinforce_pp_step` turns the samples' rewards into REINFORCE++
     advantages whitened over the whole step (rl/token_returns.py);
-  * gae: `gae_step` asks the critic for its values of every micro-batch (before it
-    moves), computes GAE advantages and value targets over the whole step
-    (rl/gae_returns.py) and takes one critic step per minibatch on them
-    (rl/critic.py).
+  * gae: given the critic's values of every micro-batch (before it moves), `gae_step`
+    computes GAE advantages and value targets over the whole step
+    (rl/gae_returns.py); `critic_steps` then takes one critic step per minibatch on
+    them (rl/critic.py).
 
-Both replace each micro-batch's `advantages` with the (B, T) per-token ones and return
-the step's metrics.
+Both advantage steps replace each micro-batch's `advantages` with the (B, T) per-token
+ones and return the step's metrics. `sat_out` gives the metrics of a step the policy
+does not train (the critic's warm-up).
 """
 
 from __future__ import annotations
@@ -68,16 +70,16 @@ def reinforce_pp_step(prepared: Sequence[Prepared], kl_coef: float,
     return _regroup(prepared, new), metrics
 
 
-def gae_step(prepared: Sequence[Prepared], parts: Sequence[Sequence[RLSample]], critic: Critic,
-             cfg: RLConfig, group: dist.ProcessGroup | None
-             ) -> tuple[list[Prepared], dict[str, float]]:
-    """GAE advantages from the critic's values over the whole step (`rl.gae_returns`),
-    then one critic step per minibatch (`parts[i]`: minibatch i's samples, which its
-    micro-batches were packed from); the metrics of both (critic metrics averaged over
-    its steps)."""
+def gae_step(prepared: Sequence[Prepared], parts: Sequence[Sequence[RLSample]],
+             values: Sequence[Sequence[torch.Tensor]], cfg: RLConfig,
+             group: dist.ProcessGroup | None
+             ) -> tuple[list[Prepared], list[list[torch.Tensor]], dict[str, float]]:
+    """GAE advantages over the whole step (`rl.gae_returns`): (`prepared` with them, the
+    critic's targets per minibatch, the metrics). `parts[i]`: minibatch i's samples, which
+    its micro-batches were packed from; `values[i]`: the critic's values of them, (B, T)
+    per micro-batch."""
     from moerl.rl.gae_returns import gae_advantages, row_rewards
 
-    values = [critic.values(p.micro) for p in prepared]  # V_old: before the critic moves
     micro, old, ref = flat(prepared)
     rewards = [row_rewards(mb, part) for p, part in zip(prepared, parts, strict=True)
                for mb in p.micro]  # fmt: skip
@@ -85,7 +87,22 @@ def gae_step(prepared: Sequence[Prepared], parts: Sequence[Sequence[RLSample]], 
         micro, [v for per in values for v in per], rewards, old, ref, cfg.kl_in_reward,
         cfg.gae_gamma, cfg.gae_lambda, group)
     targets = iter(returns)
-    steps = [critic.update(p.micro, v, [next(targets) for _ in v], p.denom)
-             for p, v in zip(prepared, values, strict=True)]  # fmt: skip
-    critic_metrics = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]}
-    return _regroup(prepared, new), {**metrics, **critic_metrics}
+    per_part = [[next(targets) for _ in p.micro] for p in prepared]
+    return _regroup(prepared, new), per_part, metrics
+
+
+def critic_steps(critic: Critic, prepared: Sequence[Prepared],
+                 values: Sequence[Sequence[torch.Tensor]],
+                 returns: Sequence[Sequence[torch.Tensor]]) -> dict[str, float]:
+    """One critic step per minibatch (clip window around `values[i]`, targets
+    `returns[i]`); its metrics averaged over the steps."""
+    steps = [critic.update(p.micro, v, g, p.denom)
+             for p, v, g in zip(prepared, values, returns, strict=True)]  # fmt: skip
+    return {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]}
+
+
+def sat_out(prepared: Sequence[Prepared]) -> dict[str, float]:
+    """A step the policy sits out (the critic's warm-up): what it would have trained on,
+    its loss tokens and sequences averaged over the minibatches."""
+    return {key: sum(getattr(p.denom, attr) for p in prepared) / len(prepared)
+            for key, attr in (("tokens", "num_tokens"), ("sequences", "num_seqs"))}

@@ -1,5 +1,5 @@
 """The critic on the tiny Megatron MoE, one process: its start from the policy, its values,
-its gradient, its learning, the warm-up in the policy update, and its checkpoint entry
+its gradient, its learning, the warm-up in the loop's update, and its checkpoint entry
 (an exact resume)."""
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from moerl.parallel.layout import ParallelLayout
 from moerl.rl.config import RLConfig
 from moerl.rl.critic import Critic
 from moerl.rl.critic_config import CriticConfig
-from moerl.rl.loop import StepEnd
+from moerl.rl.loop import StepEnd, update
 from moerl.rl.losses import global_denominator
 from moerl.rl.losses.value import clipped_value_loss
-from moerl.rl.policy import Policy
+from moerl.rl.peers import Peers
 from moerl.rl.resume import RLCheckpoints
 from moerl.signals import StopOnSignal
 from moerl.trainer.config import OptimConfig
@@ -48,29 +48,34 @@ def samples(n: int = 6, seed: int = 0) -> list[RLSample]:
 
 
 def build(groups: ParallelGroups, critic: CriticConfig | None = None, seed: int = 11,
-          kl_in_reward: float = 0.0) -> Policy:
+          kl_in_reward: float = 0.0) -> Peers:
+    """The policy, its reference and the critic (its head drawn from `seed`)."""
     moe_logging.destroy_moe_metrics_tracker()
     torch.manual_seed(seed)
-    policy = Policy.build(TINY, groups.layout, OPTIM, groups,
-                          RLConfig(objective="ppo_clip", token_budget=32, advantage="gae",
-                                   kl_in_reward=kl_in_reward))
-    policy.critic = Critic.build(TINY, groups.layout, OPTIM, groups, critic or CriticConfig(),
-                                 init_from=policy.chunks, seed=seed)
-    return policy
+    return Peers.build(TINY, groups.layout, OPTIM, groups,
+                       RLConfig(objective="ppo_clip", token_budget=32, advantage="gae",
+                                kl_in_reward=kl_in_reward, critic=critic or CriticConfig(),
+                                seed=seed))
+
+
+def train(peers: Peers, batch: list[RLSample], num_minibatches: int = 1) -> dict[str, float]:
+    """The loop's update of the critic and the policy on `batch`."""
+    return update(peers.policy.cfg, peers, batch, num_minibatches)
 
 
 def _module(chunks: list[torch.nn.Module]) -> torch.nn.Module:
     return chunks[0].module  # type: ignore[no-any-return]
 
 
-def _critic(policy: Policy) -> Critic:
-    assert policy.critic is not None
-    return policy.critic
+def _critic(peers: Peers) -> Critic:
+    assert peers.critic is not None
+    return peers.critic
 
 
 def test_the_critic_starts_from_the_policy_with_a_zero_head(groups: ParallelGroups) -> None:
-    policy = build(groups)
-    mine, theirs = _module(_critic(policy).chunks).state_dict(), _module(policy.chunks).state_dict()
+    peers = build(groups)
+    mine = _module(_critic(peers).chunks).state_dict()
+    theirs = _module(peers.policy.chunks).state_dict()
     head = {k for k in mine if k.startswith("value_head.")}
     assert head == {"value_head.weight", "value_head.bias"}
     for key in set(mine) - head:
@@ -78,17 +83,17 @@ def test_the_critic_starts_from_the_policy_with_a_zero_head(groups: ParallelGrou
     # No vocabulary projection and no MTP head in the critic.
     assert not any(k.startswith(("output_layer.", "mtp.")) for k in mine)
     assert any(k.startswith("output_layer.") for k in theirs)
-    micro = policy.pack(samples())
+    micro = peers.policy.pack(samples())
     assert len(micro) > 1
-    for mb, v in zip(micro, _critic(policy).values(micro), strict=True):
+    for mb, v in zip(micro, _critic(peers).values(micro), strict=True):
         assert v.shape == mb.shape and not v.any()  # V = 0 everywhere at the start
 
 
 def test_values_are_the_models_forward(groups: ParallelGroups) -> None:
-    policy = build(groups, CriticConfig(head_init_std=0.05))
-    critic = _critic(policy)
+    peers = build(groups, CriticConfig(head_init_std=0.05))
+    critic = _critic(peers)
     model = _module(critic.chunks)
-    micro = policy.pack(samples())
+    micro = peers.policy.pack(samples())
     model.eval()
     for mb, v in zip(micro, critic.values(micro), strict=True):
         with torch.no_grad():
@@ -102,9 +107,9 @@ def test_values_are_the_models_forward(groups: ParallelGroups) -> None:
 
 
 def test_gradient_equals_direct_autograd(groups: ParallelGroups) -> None:
-    policy = build(groups, CriticConfig(head_init_std=0.05, value_clip=0.02))
-    critic = _critic(policy)
-    micro = policy.pack(samples(seed=2))
+    peers = build(groups, CriticConfig(head_init_std=0.05, value_clip=0.02))
+    critic = _critic(peers)
+    micro = peers.policy.pack(samples(seed=2))
     values = critic.values(micro)
     gen = torch.Generator().manual_seed(4)
     old = [v + 0.05 * torch.randn(v.shape, generator=gen) for v in values]  # some clip
@@ -132,9 +137,9 @@ def test_gradient_equals_direct_autograd(groups: ParallelGroups) -> None:
 
 
 def test_the_critic_learns_its_targets(groups: ParallelGroups) -> None:
-    policy = build(groups, CriticConfig(lr=5e-4))
-    critic = _critic(policy)
-    micro = policy.pack(samples(seed=3))
+    peers = build(groups, CriticConfig(lr=5e-4))
+    critic = _critic(peers)
+    micro = peers.policy.pack(samples(seed=3))
     returns = [mb.loss_mask * torch.linspace(-1, 1, mb.shape[1]) for mb in micro]
     denom = global_denominator([mb.loss_mask for mb in micro])
     losses = [critic.update(micro, critic.values(micro), returns, denom)["value_loss"]
@@ -143,21 +148,22 @@ def test_the_critic_learns_its_targets(groups: ParallelGroups) -> None:
 
 
 def test_warm_up_trains_the_critic_alone(groups: ParallelGroups) -> None:
-    policy = build(groups, CriticConfig(warmup_steps=1), kl_in_reward=0.1)
+    peers = build(groups, CriticConfig(warmup_steps=1), kl_in_reward=0.1)
     batch = samples(seed=5)
 
     def weights(chunks: list[torch.nn.Module]) -> list[torch.Tensor]:
         return [p.detach().clone() for p in _module(chunks).parameters()]
 
-    pol, cri = weights(policy.chunks), weights(_critic(policy).chunks)
-    first = policy.update(batch, 2)
+    pol, cri = weights(peers.policy.chunks), weights(_critic(peers).chunks)
+    first = train(peers, batch, 2)
     assert first["critic_warmup"] == 1.0 and "loss" not in first and "grad_norm" not in first
-    assert all(torch.equal(a, b) for a, b in zip(pol, weights(policy.chunks), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(pol, weights(peers.policy.chunks), strict=True))
     assert not all(torch.equal(a, b)
-                   for a, b in zip(cri, weights(_critic(policy).chunks), strict=True))
-    second = policy.update(batch, 2)
+                   for a, b in zip(cri, weights(_critic(peers).chunks), strict=True))
+    second = train(peers, batch, 2)
     assert second["critic_warmup"] == 0.0 and second["optimizer_steps"] == 2.0
-    assert not all(torch.equal(a, b) for a, b in zip(pol, weights(policy.chunks), strict=True))
+    assert not all(torch.equal(a, b)
+                   for a, b in zip(pol, weights(peers.policy.chunks), strict=True))
     for m in (first, second):
         for key in ("value_loss", "explained_variance", "advantages_mean", "advantages_std",
                     "returns_mean", "values_mean", "critic_grad_norm", "kl_in_reward"):
@@ -168,18 +174,18 @@ def test_warm_up_trains_the_critic_alone(groups: ParallelGroups) -> None:
 
 def test_a_smaller_critic_of_its_own(groups: ParallelGroups) -> None:
     small = CriticConfig(model={"num_layers": 2}, init_from_policy=False, head_init_std=0.05)
-    policy = build(groups, small)
-    critic = _critic(policy)
+    peers = build(groups, small)
+    critic = _critic(peers)
     assert critic.arch.num_layers == 2
     assert len(_module(critic.chunks).decoder.layers) == 2
-    metrics = policy.update(samples(seed=6))
+    metrics = train(peers, samples(seed=6))
     assert metrics["value_loss"] > 0 and metrics["critic_grad_norm"] > 0
     assert "loss" in metrics  # the policy (4 layers) trained beside it
 
 
-def _hook(ckpt: RLCheckpoints, policy: Policy, step: int) -> None:
+def _hook(ckpt: RLCheckpoints, peers: Peers, step: int) -> None:
     with StopOnSignal(()) as stop:
-        ckpt.step_end_hook(policy, stop, steps=10)(StepEnd(step, {"position": step}))
+        ckpt.step_end_hook(peers, stop, steps=10)(StepEnd(step, {"position": step}))
 
 
 def test_a_resume_continues_the_critic_exactly(groups: ParallelGroups, tmp_path: Path) -> None:
@@ -191,21 +197,21 @@ def test_a_resume_continues_the_critic_exactly(groups: ParallelGroups, tmp_path:
     ckpt = RLCheckpoints(cfg, marks, None, seed=11, layout=groups.layout.describe())
     first = build(groups, critic_cfg)
     assert ckpt.load(first) is None  # a fresh start
-    first.update(batch, 2)
+    train(first, batch, 2)
     _hook(ckpt, first, 0)  # saves step 1 with the critic
     ckpt.close()
-    want = first.update(later, 2)  # still warming up: the critic alone moves
-    want_values = _critic(first).values(first.pack(later))
+    want = train(first, later, 2)  # still warming up: the critic alone moves
+    want_values = _critic(first).values(first.policy.pack(later))
 
     resumed = RLCheckpoints(cfg, marks, None, seed=11, layout=groups.layout.describe())
     second = build(groups, critic_cfg, seed=99)  # other weights until the load
     state = resumed.load(second)
     assert state is not None and state.next_step == 1 and second.updates == 1
-    got = second.update(later, 2)
+    got = train(second, later, 2)
     for key in ("value_loss", "critic_grad_norm", "explained_variance", "advantages_std",
                 "critic_warmup"):
         assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
-    for a, b in zip(want_values, _critic(second).values(second.pack(later)), strict=True):
+    for a, b in zip(want_values, _critic(second).values(second.policy.pack(later)), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     resumed.close()
 

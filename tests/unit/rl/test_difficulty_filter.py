@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from stand_in_policy import StandInPolicy, peers
 
 from moerl.data.prompts import PromptRecord, PromptStream
 from moerl.observability import LoggerConfig, MetricsLogger, read_metrics
@@ -89,8 +90,8 @@ class Judges:
                             for i in items])
 
 
-class Policy:
-    def update(self, samples: list[Any], num_minibatches: int = 1) -> dict[str, float]:
+class Policy(StandInPolicy):
+    def train_on(self, samples: list[Any]) -> dict[str, float]:
         return {"loss": 0.0}
 
 
@@ -108,7 +109,7 @@ def test_the_loop_spends_no_samples_on_settled_prompts(tmp_path: Path) -> None:
     # epoch 2 steps 3-4
     cfg = RLConfig(steps=5, prompts_per_step=2, group_size=2, dynamic_sampling=False,
                    difficulty_filter_epochs=1, eval_interval=0)
-    train(cfg, Policy(), NoSync(), ctl)  # type: ignore[arg-type]
+    train(cfg, peers(Policy()), NoSync(), ctl)  # type: ignore[arg-type]
     asked = [set(names) for names in engines.asked]
     assert asked[0] | asked[1] == set(SCRIPT)
     assert asked[2] == {"mixed-a", "mixed-b"}  # the settled two sat out epoch 1

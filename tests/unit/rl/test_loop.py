@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from stand_in_policy import StandInPolicy, peers
 
 from moerl.data.prompts import PromptRecord, PromptStream
 from moerl.observability import LoggerConfig, MetricsLogger, read_metrics
@@ -58,12 +59,12 @@ class FakeJudges:
         return ScoreReport(results)
 
 
-class FakePolicy:
+class FakePolicy(StandInPolicy):
     def __init__(self) -> None:
         self.trained: list[tuple[int, list[int]]] = []
         self.step = 0
 
-    def update(self, samples: list[Any], num_minibatches: int = 1) -> dict[str, float]:
+    def train_on(self, samples: list[Any]) -> dict[str, float]:
         self.trained.append((self.step, [s.weight_version for s in samples]))
         self.step += 1
         time.sleep(0.03)
@@ -89,7 +90,7 @@ def _run(tmp_path: Path, mode: str, infra_every: int = 0) -> tuple[FakePolicy, l
                                                                      plot=False), tmp_path, {}))
     cfg = RLConfig(steps=6, prompts_per_step=2, group_size=4, mode=mode,  # type: ignore[arg-type]
                    max_staleness=1, eval_interval=0)
-    train(cfg, policy, FakeSync(rollout_client), ctl)  # type: ignore[arg-type]
+    train(cfg, peers(policy), FakeSync(rollout_client), ctl)  # type: ignore[arg-type]
     return policy, read_metrics(tmp_path / "metrics.jsonl")
 
 

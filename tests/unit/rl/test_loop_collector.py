@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+from stand_in_policy import StandInPolicy, peers
 
 from moerl.agent.trajectory import Segment, Trajectory
 from moerl.data.prompts import PromptStream
@@ -19,11 +20,11 @@ from moerl.rl.config import AgentTasksConfig, RLConfig
 from moerl.rl.loop import Controller, collect, train
 
 
-class RecordingPolicy:
+class RecordingPolicy(StandInPolicy):
     def __init__(self) -> None:
         self.batches: list[list[RLSample]] = []
 
-    def update(self, samples: list[RLSample], num_minibatches: int = 1) -> dict[str, float]:
+    def train_on(self, samples: list[RLSample]) -> dict[str, float]:
         self.batches.append(samples)
         return {"tokens": float(sum(int(s.loss_mask.sum()) for s in samples
                                     if s.loss_mask is not None))}  # fmt: skip
@@ -94,7 +95,7 @@ def test_agent_tasks_train_through_the_loop(tmp_path: Path, mode: str) -> None:
     policy = RecordingPolicy()
     cfg = RLConfig(steps=3, prompts_per_step=1, group_size=2, mode=mode,  # type: ignore[arg-type]
                    dynamic_sampling=False, eval_interval=0)
-    train(cfg, policy, Publish(episodes), _controller(tmp_path, episodes))  # type: ignore[arg-type]
+    train(cfg, peers(policy), Publish(episodes), _controller(tmp_path, episodes))  # type: ignore[arg-type]
     assert len(episodes.runs) >= 3 and all(len(r) == 1 for r in episodes.runs)
     assert [len(b) for b in policy.batches] == [2, 2, 2]
     rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/tokens" in r]

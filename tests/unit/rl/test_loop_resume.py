@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from stand_in_policy import peers
 from test_loop import FakeEngines, FakeJudges, FakePolicy, FakeSync
 
 from moerl.data.prompts import PromptRecord, PromptStream
@@ -47,7 +48,7 @@ def _run(tmp_path: Path, mode: str, start: int = 0, prompts: dict[str, int] | No
                    max_staleness=1, eval_interval=2)
     ends: list[StepEnd] = []
     engines.update_weights(Path("."), start)
-    train(cfg, FakePolicy(), FakeSync(engines), ctl, start_step=start,  # type: ignore[arg-type]
+    train(cfg, peers(FakePolicy()), FakeSync(engines), ctl, start_step=start,  # type: ignore[arg-type]
           on_step_end=ends.append)
     evals = [int(r["step"]) for r in read_metrics(logger.path) if "eval/pass_rate" in r]
     return engines.prompts, ends, evals

@@ -1,4 +1,5 @@
-"""The policy on the tiny Megatron MoE, one process: logprobs, gradient, learning, replay."""
+"""The policy on the tiny Megatron MoE, one process: logprobs, gradient, learning, replay
+(beside its reference model, as the loop drives both)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ from moerl.models.weights_marker import is_complete
 from moerl.parallel.groups import ParallelGroups, destroy_parallel, init_parallel
 from moerl.parallel.layout import ParallelLayout
 from moerl.rl.config import RLConfig
+from moerl.rl.loop import update
 from moerl.rl.losses import GRPOConfig, PolicyLossInputs
 from moerl.rl.losses.entropy import entropy_from_logits
+from moerl.rl.peers import Peers
 from moerl.rl.policy import Policy, _aux_losses
+from moerl.rl.reference import Reference
 from moerl.rl.routing import RoutingReplay
 from moerl.trainer.config import OptimConfig
 
@@ -51,14 +55,20 @@ def make_samples(n: int, vocab: int, seed: int = 0, advantages: list[float] | No
 
 
 def build(groups: ParallelGroups, arch: MoEArch = TINY, lr: float = 1e-3,
-          obj_cfg: GRPOConfig | None = None, **rl: Any) -> Policy:
-    """A GRPO policy (`obj_cfg`: its config); `rl`: fields of the rl group to set."""
+          obj_cfg: GRPOConfig | None = None, **rl: Any) -> Peers:
+    """A GRPO policy (`obj_cfg`: its config) and its reference; `rl`: fields of the rl
+    group to set."""
     moe_logging.destroy_moe_metrics_tracker()
     torch.manual_seed(11)
     cfg = RLConfig(**{"token_budget": 32, "routing_replay": True, **rl,
                       **({"objective_args": obj_cfg} if obj_cfg else {})})
-    return Policy.build(arch, groups.layout, OptimConfig(lr=lr, min_lr=0.0, clip_grad=0.0),
-                        groups, cfg)
+    return Peers.build(arch, groups.layout, OptimConfig(lr=lr, min_lr=0.0, clip_grad=0.0),
+                       groups, cfg)
+
+
+def train(peers: Peers, samples: list[RLSample], num_minibatches: int = 1) -> dict[str, float]:
+    """The loop's update of the policy on `samples`."""
+    return update(peers.policy.cfg, peers, samples, num_minibatches)
 
 
 def _unwrapped(policy: Policy) -> torch.nn.Module:
@@ -66,7 +76,7 @@ def _unwrapped(policy: Policy) -> torch.nn.Module:
 
 
 def test_logprobs_match_full_forward(groups: ParallelGroups) -> None:
-    policy = build(groups)
+    policy = build(groups).policy
     samples = make_samples(5, TINY.vocab_size)
     micro = policy.pack(samples)
     assert len(micro) > 1  # several micro-batches in one schedule call
@@ -86,8 +96,8 @@ def test_gradient_equals_direct_autograd(groups: ParallelGroups) -> None:
     # The update's gradient is the objective's alone (aux_losses=False), MTP head included.
     arch = TINY
     obj_cfg = GRPOConfig(kl_coef=0.1, entropy_coef=0.01, eps_low=0.2, eps_high=0.2)
-    policy = build(groups, arch, obj_cfg=obj_cfg, token_budget=24,
-                   recompute_old_logprobs=False)
+    peers = build(groups, arch, obj_cfg=obj_cfg, token_budget=24, recompute_old_logprobs=False)
+    policy = peers.policy
     samples = make_samples(6, arch.vocab_size, seed=1)
     # Old logprobs = current ones + noise, so some ratios leave the clip range.
     current = completion_logprobs(policy, samples)
@@ -95,7 +105,7 @@ def test_gradient_equals_direct_autograd(groups: ParallelGroups) -> None:
     samples = [dataclasses.replace(
         s, rollout_logprobs=lp + 0.4 * torch.randn(lp.shape, generator=gen))
         for s, lp in zip(samples, current, strict=True)]
-    prepared = policy._prepare(samples)
+    prepared = peers.prepare(samples)
     assert len(prepared.micro) >= 2
     model = _unwrapped(policy)
     # finalize_model_grads moves the routers' expert bias; route the direct pass as before.
@@ -130,7 +140,8 @@ def test_gradient_equals_direct_autograd(groups: ParallelGroups) -> None:
 
 
 def test_update_learns_from_rewards(groups: ParallelGroups, tmp_path: Path) -> None:
-    policy = build(groups, lr=3e-3, obj_cfg=GRPOConfig(kl_coef=0.0))
+    peers = build(groups, lr=3e-3, obj_cfg=GRPOConfig(kl_coef=0.0))
+    policy = peers.policy
     prompt = torch.tensor([7, 8, 9])
     gen = torch.Generator().manual_seed(2)
     samples = [RLSample(prompt, torch.randint(TINY.vocab_size, (6,), generator=gen),
@@ -141,7 +152,7 @@ def test_update_learns_from_rewards(groups: ParallelGroups, tmp_path: Path) -> N
         return [float(t.sum()) for t in completion_logprobs(policy, samples)]
 
     before = total_logprob()
-    history = [policy.update(samples) for _ in range(3)]
+    history = [train(peers, samples) for _ in range(3)]
     after = total_logprob()
     assert after[0] > before[0] and after[1] > before[1]
     assert after[2] < before[2] and after[3] < before[3]
@@ -159,16 +170,17 @@ def test_update_learns_from_rewards(groups: ParallelGroups, tmp_path: Path) -> N
 
     path = policy.publish(tmp_path / "v1")
     assert is_complete(path)
-    assert policy.reference is not None
-    load_weights(policy.reference, path)
-    ref = [float(t.sum()) for t in _ref_logprobs(policy, samples)]
+    assert peers.reference is not None
+    load_weights(peers.reference.chunks, path)
+    ref = [float(t.sum()) for t in _ref_logprobs(peers, samples)]
     assert ref == pytest.approx(after, abs=1e-5)
 
 
-def _ref_logprobs(policy: Policy, samples: list[RLSample]) -> list[torch.Tensor]:
-    micro = policy.pack(samples)
+def _ref_logprobs(peers: Peers, samples: list[RLSample]) -> list[torch.Tensor]:
+    assert peers.reference is not None
+    micro = peers.policy.pack(samples)
     out = []
-    for mb, (lp, _) in zip(micro, policy.logprobs(micro, reference=True), strict=True):
+    for mb, (lp, _) in zip(micro, peers.reference.logprobs(micro), strict=True):
         for row, i in enumerate(mb.sample_index):
             p, c = samples[i].prompt_ids.numel(), samples[i].completion_ids.numel()
             out.append(lp[row, p - 1 : p - 1 + c])
@@ -176,7 +188,7 @@ def _ref_logprobs(policy: Policy, samples: list[RLSample]) -> list[torch.Tensor]
 
 
 def test_routing_replay(groups: ParallelGroups) -> None:
-    policy = build(groups)
+    policy = build(groups).policy
     samples = make_samples(3, TINY.vocab_size, seed=4)
     micro = policy.pack(samples)
     assert len(micro) == 1
@@ -210,20 +222,27 @@ def test_first_minibatch_takes_pi_old_from_its_own_forward(groups: ParallelGroup
     samples = make_samples(6, TINY.vocab_size, seed=4)
     reused, recomputed = build(groups), build(groups)
     passes: list[bool] = []
+    reference = reused.reference
+    assert reference is not None
 
-    def counting(micro: Any, reference: bool = False) -> Any:
-        passes.append(reference)
-        return Policy.logprobs(reused, micro, reference)
+    def counting(micro: Any) -> Any:
+        passes.append(False)
+        return Policy.logprobs(reused.policy, micro)
 
-    reused.logprobs = counting  # type: ignore[method-assign]
-    a = reused.update(samples)
+    def counting_reference(micro: Any) -> Any:
+        passes.append(True)
+        return Reference.logprobs(reference, micro)
+
+    reused.policy.logprobs = counting  # type: ignore[method-assign]
+    reference.logprobs = counting_reference  # type: ignore[method-assign]
+    a = train(reused, samples)
     assert passes == [True]  # the reference only
-    b = recomputed._step(recomputed._prepare(samples, first=False))
+    b = recomputed.policy._step(recomputed.prepare(samples, first=False))
     for key in ("loss", "grad_norm", "kl_ref"):
         if key in a:
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
-    for p, q in zip(reused.chunks[0].parameters(), recomputed.chunks[0].parameters(),
-                    strict=True):
+    for p, q in zip(reused.policy.chunks[0].parameters(),
+                    recomputed.policy.chunks[0].parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
 
 
@@ -245,15 +264,16 @@ def test_update_without_mtp_loss_skips_the_mtp_layers(groups: ParallelGroups,
 
     monkeypatch.setattr(policy_module, "run_schedule", schedule)
     calls = {"skipped": 0, "run": 0}
-    for name, policy in (("skipped", skipped), ("run", run)):
+    for name, peers in (("skipped", skipped), ("run", run)):
         forced["mtp"] = name == "run"
 
         def count(*_: Any, name: str = name) -> None:
             calls[name] += 1
 
-        handle = _unwrapped(policy).mtp.register_forward_hook(count)
-        policy.update(samples, num_minibatches=2)
+        handle = _unwrapped(peers.policy).mtp.register_forward_hook(count)
+        train(peers, samples, num_minibatches=2)
         handle.remove()
     assert calls["skipped"] == 0 and calls["run"] >= 2  # at least one per minibatch
-    for p, q in zip(skipped.chunks[0].parameters(), run.chunks[0].parameters(), strict=True):
+    for p, q in zip(skipped.policy.chunks[0].parameters(), run.policy.chunks[0].parameters(),
+                    strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
