@@ -82,15 +82,15 @@ def _train_lm(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _demo(args: argparse.Namespace, overrides: list[str]) -> int:
-    from moerl.launchers.train import run_train
+    from moerl.launchers.run import launch_run
 
-    return run_train(["+experiment=demo", *overrides], dry_run=args.dry_run)
+    return launch_run(["+experiment=demo", *overrides], dry_run=args.dry_run)
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from moerl.launchers.train import run_train
+    from moerl.launchers.run import launch_run
 
-    return run_train(overrides, dry_run=args.dry_run)
+    return launch_run(overrides, dry_run=args.dry_run)
 
 
 def _sft(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -111,9 +111,9 @@ def _nemo(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _trainer(args: argparse.Namespace, overrides: list[str]) -> int:
-    from moerl.launchers.train import run_trainer
+    from moerl.launchers.run import run_trainer_stage
 
-    return run_trainer(overrides)
+    return run_trainer_stage(overrides)
 
 
 def _hf(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -40,7 +40,7 @@ from moerl.rl.agent_collect import (
     terminal_source,
 )
 from moerl.rl.domains import domain_runs
-from moerl.rl.loop import Controller, train
+from moerl.rl.loop import Controller, run_steps
 from moerl.rl.peers import Peers
 from moerl.rl.resume import RLCheckpoints
 from moerl.rl.weight_sync_build import build_weight_sync
@@ -209,7 +209,7 @@ def _run(cfg: RunConfig, dirs: RunLayout, groups: ParallelGroups, stop: StopOnSi
                              initial=_first_version(ckpt, start))
     sync.push(peers.policy, first)  # the servers start from the trainer's (resumed) weights
     on_step_end = ckpt.step_end_hook(peers, stop, cfg.rl.steps) if ckpt else None
-    stopped = train(cfg.rl, peers, sync, ctl, start_step=first, on_step_end=on_step_end)
+    stopped = run_steps(cfg.rl, peers, sync, ctl, start_step=first, on_step_end=on_step_end)
     if ckpt is not None:
         ckpt.close()
     if stopped:

@@ -7,7 +7,7 @@
 The models are peers (rl/peers.py): the policy, the frozen reference model and PPO's
 critic are separate objects, none holding another; `update` asks each in turn.
 
-Every trainer rank runs `train`; only the controller rank (global rank 0) talks to
+Every trainer rank runs `run_steps`; only the controller rank (global rank 0) talks to
 the servers, and the batch it collects is broadcast to the others. In async mode
 the collection of step n+1 runs in a background thread while step n trains; a
 sample whose weights are more than `max_staleness` versions behind the policy it
@@ -199,8 +199,9 @@ class StepEnd:
     """Async: batches already collected for later steps (a resume collects them again)."""
 
 
-def train(cfg: RLConfig, peers: Peers, sync: WeightSync, ctl: Controller | None,
-          start_step: int = 0, on_step_end: Callable[[StepEnd], bool] | None = None) -> bool:
+def run_steps(cfg: RLConfig, peers: Peers, sync: WeightSync, ctl: Controller | None,
+              start_step: int = 0, on_step_end: Callable[[StepEnd], bool] | None = None,
+              ) -> bool:
     """RL steps [start_step, cfg.steps). `ctl` is None on every rank but the controller.
     Each step trains `peers` (`update`) and pushes the policy's weights.
 
@@ -208,7 +209,7 @@ def train(cfg: RLConfig, peers: Peers, sync: WeightSync, ctl: Controller | None,
     `start_step`. Evaluations run at step 0, every `eval_interval` steps and at the
     end, so a resumed run evaluates where an uninterrupted one would. When
     `on_step_end` returns True (a stop signal; the step is checkpointed) the run
-    ends there, without the final evaluation, and `train` returns True.
+    ends there, without the final evaluation, and `run_steps` returns True.
     """
     producer = _Producer(ctl, cfg, start_step) if cfg.mode == "async" and ctl else None
     for step in range(start_step, cfg.steps):

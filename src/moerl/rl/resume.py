@@ -161,7 +161,7 @@ class RLCheckpoints:
 
     def step_end_hook(self, peers: Peers, stop: StopOnSignal,
                       steps: int) -> Callable[[StepEnd], bool]:
-        """`rl.loop.train`'s `on_step_end`: save when due or at the end; on a stop
+        """`rl.loop.run_steps`'s `on_step_end`: save when due or at the end; on a stop
         signal save and return True, which ends the run."""
 
         def on_step_end(end: StepEnd) -> bool:

@@ -16,7 +16,7 @@ from moerl.observability import LoggerConfig, MetricsLogger, read_metrics
 from moerl.rewards.client import ScoreItem, ScoreReport
 from moerl.rewards.protocol import RewardResult
 from moerl.rl.config import RLConfig
-from moerl.rl.loop import Controller, train
+from moerl.rl.loop import Controller, run_steps
 from moerl.rollout.types import Sample
 
 # what each prompt's samples answer: every one right, every one wrong, or half and half
@@ -109,7 +109,7 @@ def test_the_loop_spends_no_samples_on_settled_prompts(tmp_path: Path) -> None:
     # epoch 2 steps 3-4
     cfg = RLConfig(steps=5, prompts_per_step=2, group_size=2, dynamic_sampling=False,
                    difficulty_filter_epochs=1, eval_interval=0)
-    train(cfg, peers(Policy()), NoSync(), ctl)  # type: ignore[arg-type]
+    run_steps(cfg, peers(Policy()), NoSync(), ctl)  # type: ignore[arg-type]
     asked = [set(names) for names in engines.asked]
     assert asked[0] | asked[1] == set(SCRIPT)
     assert asked[2] == {"mixed-a", "mixed-b"}  # the settled two sat out epoch 1

@@ -17,7 +17,7 @@ from moerl.observability import LoggerConfig, MetricsLogger, read_metrics
 from moerl.rewards.client import ScoreItem, ScoreReport
 from moerl.rewards.protocol import RewardResult
 from moerl.rl.config import RLConfig
-from moerl.rl.loop import Controller, train
+from moerl.rl.loop import Controller, run_steps
 from moerl.rollout.types import Sample
 
 
@@ -90,7 +90,7 @@ def _run(tmp_path: Path, mode: str, infra_every: int = 0) -> tuple[FakePolicy, l
                                                                      plot=False), tmp_path, {}))
     cfg = RLConfig(steps=6, prompts_per_step=2, group_size=4, mode=mode,  # type: ignore[arg-type]
                    max_staleness=1, eval_interval=0)
-    train(cfg, peers(policy), FakeSync(rollout_client), ctl)  # type: ignore[arg-type]
+    run_steps(cfg, peers(policy), FakeSync(rollout_client), ctl)  # type: ignore[arg-type]
     return policy, read_metrics(tmp_path / "metrics.jsonl")
 
 

@@ -17,7 +17,7 @@ from moerl.data.rl_batch import RLSample
 from moerl.observability import LoggerConfig, MetricsLogger, read_metrics
 from moerl.rl.agent_collect import AgentCollector, task_records
 from moerl.rl.config import AgentTasksConfig, RLConfig
-from moerl.rl.loop import Controller, collect, train
+from moerl.rl.loop import Controller, collect, run_steps
 
 
 class RecordingPolicy(StandInPolicy):
@@ -95,7 +95,7 @@ def test_agent_tasks_train_through_the_loop(tmp_path: Path, mode: str) -> None:
     policy = RecordingPolicy()
     cfg = RLConfig(steps=3, prompts_per_step=1, group_size=2, mode=mode,  # type: ignore[arg-type]
                    dynamic_sampling=False, eval_interval=0)
-    train(cfg, peers(policy), Publish(episodes), _controller(tmp_path, episodes))  # type: ignore[arg-type]
+    run_steps(cfg, peers(policy), Publish(episodes), _controller(tmp_path, episodes))  # type: ignore[arg-type]
     assert len(episodes.runs) >= 3 and all(len(r) == 1 for r in episodes.runs)
     assert [len(b) for b in policy.batches] == [2, 2, 2]
     rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/tokens" in r]

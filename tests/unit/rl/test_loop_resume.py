@@ -15,7 +15,7 @@ from test_loop import FakeEngines, FakeJudges, FakePolicy, FakeSync
 from moerl.data.prompts import PromptRecord, PromptStream
 from moerl.observability import LoggerConfig, MetricsLogger, read_metrics
 from moerl.rl.config import RLConfig
-from moerl.rl.loop import Controller, StepEnd, train
+from moerl.rl.loop import Controller, StepEnd, run_steps
 from moerl.rollout.types import Sample
 
 STEPS = 6
@@ -48,7 +48,7 @@ def _run(tmp_path: Path, mode: str, start: int = 0, prompts: dict[str, int] | No
                    max_staleness=1, eval_interval=2)
     ends: list[StepEnd] = []
     engines.update_weights(Path("."), start)
-    train(cfg, peers(FakePolicy()), FakeSync(engines), ctl, start_step=start,  # type: ignore[arg-type]
+    run_steps(cfg, peers(FakePolicy()), FakeSync(engines), ctl, start_step=start,  # type: ignore[arg-type]
           on_step_end=ends.append)
     evals = [int(r["step"]) for r in read_metrics(logger.path) if "eval/pass_rate" in r]
     return engines.prompts, ends, evals

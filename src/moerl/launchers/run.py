@@ -4,7 +4,7 @@
 writes it next to the run, and starts the reward servers, the rollout servers
 and the trainer (torchrun) as local processes or as a SLURM heterogeneous job.
 The trainer stage (`moerl trainer`, every rank) does the optional SFT warm-up,
-publishes the weights the rollout servers start from, and runs `rl.loop.train`.
+publishes the weights the rollout servers start from, and runs `rl.loop.run_steps`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _prepare_run_dir(cfg: RunConfig) -> tuple[Path, Path]:
     return root, arch_file
 
 
-def run_train(overrides: list[str], dry_run: bool = False) -> int:
+def launch_run(overrides: list[str], dry_run: bool = False) -> int:
     """Launch the run described by `overrides` (locally or on SLURM)."""
     from moerl.launchers.lm import (
         check_layout_at_start,
@@ -96,7 +96,7 @@ def _print_local_plan(plan: RunPlan, console: Console) -> None:
                   markup=False, soft_wrap=True)
 
 
-def run_trainer(overrides: list[str]) -> int:
+def run_trainer_stage(overrides: list[str]) -> int:
     """The trainer stage: every rank runs this under torchrun."""
     from moerl.launchers.lm import check_precision_at_start
     from moerl.launchers.trainer_stage import trainer_main
@@ -110,4 +110,4 @@ def run_trainer(overrides: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_train(sys.argv[1:]))
+    sys.exit(launch_run(sys.argv[1:]))
