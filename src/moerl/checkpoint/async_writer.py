@@ -12,9 +12,13 @@ was through copy-on-write, and every page the training then writes is duplicated
 which on a host holding the model is the rank's whole memory, not its shard; and a
 child outlives a rank killed with SIGKILL. A thread shares the rank's fate and its
 memory. The file writes and the hashing release the GIL, and the thread runs at the
-lowest CPU priority (nice 19, Linux schedules threads apart), so the training's
-threads come first; where the step itself uses every host core (a CPU rank), the
-write's serialisation and hashing still slow it (`benchmarks/checkpoint_overlap.py`
+lowest CPU priority Linux has, SCHED_IDLE (threads are scheduled apart): it gets a
+core only while no training thread wants it, and a training thread that wakes takes
+the core back at once. A nice-19 thread, the fallback, is only weighted down: a
+woken training thread may wait for the rest of its slice, and a step whose threads
+meet at a barrier after every parallel region waits with it. Where the step itself
+uses every host core (a CPU rank), the write still slows it through what nice cannot
+schedule: memory bandwidth and the page cache (`benchmarks/checkpoint_overlap.py`
 measures by how much).
 
 `ThreadCallsQueue` is Megatron's `AsyncCallsQueue` (requests, finalisation once every
@@ -57,12 +61,23 @@ def staged_bytes(write_buckets: list[Any]) -> int:
 WRITER_NICENESS = 19
 
 
+def lower_own_priority() -> str:
+    """Put the calling thread (not its process) at the lowest CPU priority: Linux's
+    SCHED_IDLE, else nice 19; the policy it got ("idle", "nice" or "unchanged")."""
+    tid = threading.get_native_id()
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return "idle"
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICENESS)
+        return "nice"
+    return "unchanged"  # elsewhere than Linux a thread shares its process's priority
+
+
 def _at_lowest_priority(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn`, run by a thread that first lowers its own CPU priority (not the rank's)."""
     def run(*args: Any, **kwargs: Any) -> Any:
-        # Elsewhere than Linux a thread shares its process's priority: left as it is.
-        with contextlib.suppress(AttributeError, OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+        lower_own_priority()
         return fn(*args, **kwargs)
     return run
 
