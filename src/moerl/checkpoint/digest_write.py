@@ -7,9 +7,9 @@ it (one tensor or one object: the unit a reader reads). Beside each data file go
 digest of both, and of the `.metadata` file the coordinator writes at the end. The
 data and metadata files are Megatron's own: any torch_dist reader loads them.
 
-The write runs where Megatron runs it: in the async writer process (forked from the
-rank, so it writes the state as it was when the save began) or, for a synchronous
-save, in the rank itself. Its digests come back with its write results.
+The write runs in the rank's writer process for an asynchronous save (from the copy
+staged when the save began, `async_writer`) or, for a synchronous save, in the rank
+itself. Its digests come back with its write results.
 """
 
 from __future__ import annotations
@@ -38,13 +38,10 @@ from torch.distributed.checkpoint.api import _wrap_exception
 from torch.distributed.checkpoint.filesystem import FileSystem, SerializationFormat, _write_item
 from torch.distributed.checkpoint.storage import WriteResult
 
-from moerl.checkpoint.async_writer import stage, staged_bytes
+from moerl.checkpoint.async_writer import HOLD_ENV, stage, staged_bytes
 from moerl.checkpoint.digests import Entry, HashingWriter, entry_of, write_file
 
 DIGESTS_SUFFIX = ".digests.json"
-# A writer that waits for this file before it writes: the tests' way to hold a save
-# in flight for as long as they look (no timing decides when it ends).
-HOLD_ENV = "MOERL_CHECKPOINT_HOLD"
 
 
 def _write_bucket(transforms: Any, bucket: Any) -> tuple[list[WriteResult], dict[str, Entry]]:
