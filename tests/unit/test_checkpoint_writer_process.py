@@ -128,3 +128,26 @@ def test_a_staged_tensor_is_contiguous_and_shared(shape: tuple[int, ...]) -> Non
     made, reference = shared_empty(torch.Size(shape), torch.bfloat16), torch.empty(shape)
     assert made.is_shared() and made.dtype == torch.bfloat16
     assert (made.shape, made.stride()) == (reference.shape, reference.stride())
+
+
+def test_the_next_save_stages_into_the_last_saves_memory() -> None:
+    from moerl.checkpoint.async_writer import StagingBuffers
+
+    buffers = StagingBuffers()
+    weights, moments = torch.ones(4, 3), torch.zeros(5)
+
+    def plan(*tensors: torch.Tensor) -> list:
+        return [("f", "k", ([], [(f"item{i}", t) for i, t in enumerate(tensors)]))]
+
+    def pointers(staged: list) -> list[int]:
+        return [t.data_ptr() for _, t in staged[0][2][1]]
+
+    first = pointers(stage(plan(weights, moments), buffers))
+    weights.add_(1)
+    again = stage(plan(weights, moments), buffers)
+    assert pointers(again) == first  # the same shared memory, refilled
+    assert torch.equal(again[0][2][1][0][1], weights)
+    grown = pointers(stage(plan(torch.ones(4, 4), moments), buffers))
+    assert grown[0] != first[0] and grown[1] == first[1]
+    stage(plan(weights), buffers)
+    assert len(buffers.buffers) == 1  # a tensor the plan lost is freed

@@ -54,15 +54,50 @@ def shared_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape, strides)
 
 
-def stage(write_buckets: list[Any]) -> list[Any]:
-    """Megatron's write plan with every tensor copied into shared memory of its own.
+class StagingBuffers:
+    """The shared memory one rank stages its saves in, kept from one save to the next.
+
+    A rank's write plan is the same at every save of a run (its shard does not change
+    shape), so the second save copies into memory the first one faulted in, instead
+    of asking the kernel for the shard's size in fresh shared pages again; a tensor
+    whose shape or dtype differs from the last save's gets new memory. At most one
+    save is in flight (its write is done before the next save stages), so no write
+    reads a buffer being refilled. What a rank holds between saves is one shard."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+
+    def take(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        """Buffer `index` of the plan, shaped like `like` (reused when it already is)."""
+        if index < len(self.buffers):
+            kept = self.buffers[index]
+            if kept.shape == like.shape and kept.dtype == like.dtype:
+                return kept
+            self.buffers[index] = shared_empty(like.shape, like.dtype)
+        else:
+            self.buffers.append(shared_empty(like.shape, like.dtype))
+        return self.buffers[index]
+
+    def drop_beyond(self, count: int) -> None:
+        """Free the buffers of tensors the last plan no longer had."""
+        del self.buffers[count:]
+
+
+def stage(write_buckets: list[Any], buffers: StagingBuffers | None = None) -> list[Any]:
+    """Megatron's write plan with every tensor copied into shared memory of its own
+    (`buffers`' when given, else fresh).
 
     A bucket is (file path, storage key, (byte items, [(item, tensor), ...])); bytes
     items are serialised already, tensors may be views of live training state."""
-    staged = []
+    buffers = buffers if buffers is not None else StagingBuffers()
+    staged, index = [], 0
     for path, key, (bytes_data, tensor_data) in write_buckets:
-        copies = [(item, shared_empty(t.shape, t.dtype).copy_(t)) for item, t in tensor_data]
+        copies = []
+        for item, tensor in tensor_data:
+            copies.append((item, buffers.take(index, tensor).copy_(tensor)))
+            index += 1
         staged.append((path, key, (bytes_data, copies)))
+    buffers.drop_beyond(index)
     return staged
 
 

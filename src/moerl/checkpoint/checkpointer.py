@@ -43,7 +43,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 
-from moerl.checkpoint.async_writer import WriterCallsQueue
+from moerl.checkpoint.async_writer import StagingBuffers, WriterCallsQueue
 from moerl.checkpoint.collective import (
     FAULT_ENV,
     agree,
@@ -115,6 +115,7 @@ class Checkpointer:
         self.root = Path(cfg.dir)
         self.fingerprints = fingerprints
         self._async = WriterCallsQueue() if cfg.async_save else None
+        self._staging = StagingBuffers() if cfg.async_save else None
         self._strategy: FullyParallelSaveStrategyWrapper | None = None
         self._last_save = time.monotonic()  # or the start: interval_minutes counts from it
 
@@ -158,7 +159,7 @@ class Checkpointer:
             error = f"rank {rank()}: {err!r}"
         self._fail_cleanly(error, tmp, "checkpoint save (step state)")
         request = None
-        strategy = save_strategy(staged=self._async is not None)
+        strategy = save_strategy(staged=self._async is not None, buffers=self._staging)
         self._strategy = strategy
         start_helpers_ignoring()  # the writer's helper, started cheaply and bound to us
         try:

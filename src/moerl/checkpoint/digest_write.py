@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.api import _wrap_exception
 from torch.distributed.checkpoint.filesystem import FileSystem, SerializationFormat, _write_item
 from torch.distributed.checkpoint.storage import WriteResult
 
-from moerl.checkpoint.async_writer import HOLD_ENV, stage, staged_bytes
+from moerl.checkpoint.async_writer import HOLD_ENV, StagingBuffers, stage, staged_bytes
 from moerl.checkpoint.digests import Entry, HashingWriter, entry_of, write_file
 
 DIGESTS_SUFFIX = ".digests.json"
@@ -115,8 +115,9 @@ class _HashingFileSystem(FileSystem):
 class _DigestingWriter:
     """Megatron's prepared async writer, with the write and the finish hashed."""
 
-    def __init__(self, inner: FileSystemWriterAsync) -> None:
+    def __init__(self, inner: FileSystemWriterAsync, buffers: StagingBuffers | None) -> None:
         self.inner = inner
+        self.buffers = buffers
         self.digests: dict[str, Entry] = {}
         self.results: queue.Queue[Any] = queue.Queue()  # one put per write
         self.staged_bytes = 0
@@ -138,7 +139,7 @@ class _DigestingWriter:
         plan = [buckets]  # emptied by the staging: the originals are not kept alive
 
         def copy() -> list[Any]:
-            copies = stage(plan.pop())
+            copies = stage(plan.pop(), self.buffers)
             self.staged_bytes = staged_bytes(copies)
             return copies
 
@@ -165,11 +166,13 @@ class DigestingSaveStrategy(TorchDistSaveShardedStrategy):
     """torch_dist saving with digests taken while writing (`digests()` after the save).
 
     `staged`: the write goes from a copy of this rank's tensors taken when it is
-    scheduled (`async_writer.stage`), so that training may go on meanwhile."""
+    scheduled (`async_writer.stage`, into `buffers` kept from the last save), so that
+    training may go on meanwhile."""
 
-    def __init__(self, staged: bool = False) -> None:
+    def __init__(self, staged: bool = False, buffers: StagingBuffers | None = None) -> None:
         super().__init__()
         self.staged = staged
+        self.buffers = buffers
         self._writer: _DigestingWriter | None = None
 
     def _get_save_and_finalize_callbacks(self, writer: Any, save_state_dict_ret: Any,
@@ -177,7 +180,7 @@ class DigestingSaveStrategy(TorchDistSaveShardedStrategy):
         if async_strategy != "mcore":
             raise ValueError(f"async_strategy={async_strategy!r}: digests are taken by "
                              "megatron-core's own async writer ('mcore')")
-        digesting = _DigestingWriter(writer)
+        digesting = _DigestingWriter(writer, self.buffers)
         self._writer = digesting
         _, metadata, dist_wrapper = save_state_dict_ret
 
