@@ -53,7 +53,7 @@ def start_helpers_ignoring(signals: tuple[signal.Signals, ...] = ()) -> None:
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
     try:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        with main_not_reimported():
+        with _main_not_reimported():
             # In the helper: die with us; import what unpickling the writer's results
             # needs (torch) in the background, so that the first save need not wait.
             manager.start(initializer=die_with_parent_and_preload,
@@ -66,7 +66,7 @@ def start_helpers_ignoring(signals: tuple[signal.Signals, ...] = ()) -> None:
 
 
 @contextmanager
-def main_not_reimported() -> Iterator[None]:
+def _main_not_reimported() -> Iterator[None]:
     """A spawned child imports the parent's `__main__` again (a trainer's: torch and
     Megatron, ~4 s on 2 cores) unless the module names no spec and no file. The Manager
     needs none of it: its server unpickles only multiprocessing's types and the

@@ -24,9 +24,9 @@ import psutil
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from moerl.checkpoint.async_writer import HOLD_ENV
 from moerl.checkpoint.checkpointer import Checkpointer
 from moerl.checkpoint.config import CheckpointConfig, Fingerprints
+from moerl.checkpoint.digest_write import HOLD_ENV
 from moerl.checkpoint.sharded import sharded_state
 from moerl.data.synthetic import SyntheticCorpus
 from moerl.models.arch import TINY

@@ -43,7 +43,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 
-from moerl.checkpoint.async_writer import StagingBuffers, WriterCallsQueue
+from moerl.checkpoint.async_writer import ThreadCallsQueue
 from moerl.checkpoint.collective import (
     FAULT_ENV,
     agree,
@@ -114,8 +114,7 @@ class Checkpointer:
         self.cfg = cfg
         self.root = Path(cfg.dir)
         self.fingerprints = fingerprints
-        self._async = WriterCallsQueue() if cfg.async_save else None
-        self._staging = StagingBuffers() if cfg.async_save else None
+        self._async = ThreadCallsQueue() if cfg.async_save else None
         self._strategy: FullyParallelSaveStrategyWrapper | None = None
         self._last_save = time.monotonic()  # or the start: interval_minutes counts from it
 
@@ -159,7 +158,7 @@ class Checkpointer:
             error = f"rank {rank()}: {err!r}"
         self._fail_cleanly(error, tmp, "checkpoint save (step state)")
         request = None
-        strategy = save_strategy(staged=self._async is not None, buffers=self._staging)
+        strategy = save_strategy(staged=self._async is not None)
         self._strategy = strategy
         start_helpers_ignoring()  # the writer's helper, started cheaply and bound to us
         try:
@@ -389,8 +388,6 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
-        if self._async is not None:
-            self._async.close()
 
 
 def _checked_parts(parts: Mapping[str, Trainable] | None) -> dict[str, Trainable]:

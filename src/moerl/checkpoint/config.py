@@ -33,10 +33,9 @@ class CheckpointConfig:
     keep_last: int = 2
     """Complete checkpoints kept; older ones are deleted after each save (0: keep all)."""
     async_save: bool = False
-    """Write tensors while training goes on: each rank stages its shard in shared
-    memory and its own writer process writes it (megatron-core's async queue,
-    `checkpoint.async_writer`); the checkpoint becomes `latest` once every rank has
-    finished."""
+    """Write tensors while training goes on: each rank copies its shard and a thread of
+    its own writes the copy (megatron-core's async queue, `checkpoint.async_writer`);
+    the checkpoint becomes `latest` once every rank has finished."""
     optimizer_format: str = "dp_reshardable"
     """How the distributed optimizer's state is saved: "dp_reshardable" (each rank
     writes its own shard as it holds it; a resume may change DP and CP only) or

@@ -7,9 +7,9 @@ it (one tensor or one object: the unit a reader reads). Beside each data file go
 digest of both, and of the `.metadata` file the coordinator writes at the end. The
 data and metadata files are Megatron's own: any torch_dist reader loads them.
 
-The write runs in the rank's writer process for an asynchronous save (from the copy
-staged when the save began, `async_writer`) or, for a synchronous save, in the rank
-itself. Its digests come back with its write results.
+The write runs where Megatron runs it: in the async writer process (forked from the
+rank, so it writes the state as it was when the save began) or, for a synchronous
+save, in the rank itself. Its digests come back with its write results.
 """
 
 from __future__ import annotations
@@ -38,10 +38,13 @@ from torch.distributed.checkpoint.api import _wrap_exception
 from torch.distributed.checkpoint.filesystem import FileSystem, SerializationFormat, _write_item
 from torch.distributed.checkpoint.storage import WriteResult
 
-from moerl.checkpoint.async_writer import HOLD_ENV, StagingBuffers, stage, staged_bytes
+from moerl.checkpoint.async_writer import stage, staged_bytes
 from moerl.checkpoint.digests import Entry, HashingWriter, entry_of, write_file
 
 DIGESTS_SUFFIX = ".digests.json"
+# A writer that waits for this file before it writes: the tests' way to hold a save
+# in flight for as long as they look (no timing decides when it ends).
+HOLD_ENV = "MOERL_CHECKPOINT_HOLD"
 
 
 def _write_bucket(transforms: Any, bucket: Any) -> tuple[list[WriteResult], dict[str, Entry]]:
@@ -115,9 +118,8 @@ class _HashingFileSystem(FileSystem):
 class _DigestingWriter:
     """Megatron's prepared async writer, with the write and the finish hashed."""
 
-    def __init__(self, inner: FileSystemWriterAsync, buffers: StagingBuffers | None) -> None:
+    def __init__(self, inner: FileSystemWriterAsync) -> None:
         self.inner = inner
-        self.buffers = buffers
         self.digests: dict[str, Entry] = {}
         self.results: queue.Queue[Any] = queue.Queue()  # one put per write
         self.staged_bytes = 0
@@ -139,7 +141,7 @@ class _DigestingWriter:
         plan = [buckets]  # emptied by the staging: the originals are not kept alive
 
         def copy() -> list[Any]:
-            copies = stage(plan.pop(), self.buffers)
+            copies = stage(plan.pop())
             self.staged_bytes = staged_bytes(copies)
             return copies
 
@@ -166,13 +168,11 @@ class DigestingSaveStrategy(TorchDistSaveShardedStrategy):
     """torch_dist saving with digests taken while writing (`digests()` after the save).
 
     `staged`: the write goes from a copy of this rank's tensors taken when it is
-    scheduled (`async_writer.stage`, into `buffers` kept from the last save), so that
-    training may go on meanwhile."""
+    scheduled (`async_writer.stage`), so that training may go on meanwhile."""
 
-    def __init__(self, staged: bool = False, buffers: StagingBuffers | None = None) -> None:
+    def __init__(self, staged: bool = False) -> None:
         super().__init__()
         self.staged = staged
-        self.buffers = buffers
         self._writer: _DigestingWriter | None = None
 
     def _get_save_and_finalize_callbacks(self, writer: Any, save_state_dict_ret: Any,
@@ -180,7 +180,7 @@ class DigestingSaveStrategy(TorchDistSaveShardedStrategy):
         if async_strategy != "mcore":
             raise ValueError(f"async_strategy={async_strategy!r}: digests are taken by "
                              "megatron-core's own async writer ('mcore')")
-        digesting = _DigestingWriter(writer, self.buffers)
+        digesting = _DigestingWriter(writer)
         self._writer = digesting
         _, metadata, dist_wrapper = save_state_dict_ret
 

@@ -18,7 +18,6 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 
-from moerl.checkpoint.async_writer import StagingBuffers
 from moerl.checkpoint.collective import rank
 from moerl.checkpoint.config import CheckpointError
 from moerl.checkpoint.digest_read import verified_reads
@@ -40,11 +39,9 @@ def sharded_parts(trainable: Trainable, parts: Mapping[str, Trainable], *,
     return state
 
 
-def save_strategy(staged: bool, buffers: StagingBuffers | None = None,
-                  ) -> FullyParallelSaveStrategyWrapper:
-    """Fully parallel, digesting; `staged`: an asynchronous save's (a copy into `buffers`,
-    then the rank's writer process)."""
-    return parallel_save_strategy(DigestingSaveStrategy(staged=staged, buffers=buffers))
+def save_strategy(staged: bool) -> FullyParallelSaveStrategyWrapper:
+    """Fully parallel, digesting; `staged`: an asynchronous save's (a copy, then a thread)."""
+    return parallel_save_strategy(DigestingSaveStrategy(staged=staged))
 
 
 def tensor_entries(strategy: FullyParallelSaveStrategyWrapper, prefix: str) -> dict[str, Entry]:
