@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import uvicorn
 from fastapi import FastAPI
 
-from moerl.launchers.local import free_port
+from moerl.ports import free_port
 from moerl.rendezvous import wait_healthy
 
 

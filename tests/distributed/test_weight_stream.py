@@ -49,7 +49,7 @@ def test_each_trainer_rank_sends_its_shard_and_each_server_rank_takes_only_its_o
     each): every server parameter equals the trainer's bit for bit; a trainer rank
     holds no more than its staging buffers beyond its weights, a server rank receives
     no more than 1.1x the bytes of its own slices (as the transport counted them)."""
-    from moerl.launchers.local import free_port
+    from moerl.ports import free_port
 
     start = publish(3, tmp_path / "start")
     ports = ",".join(str(free_port()) for _ in range(3))

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from moerl.launchers.local import free_port
+from moerl.ports import free_port
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 

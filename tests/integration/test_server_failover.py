@@ -25,7 +25,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from local_servers import reward_command, rollout_command, started
 
-from moerl.launchers.local import free_port
+from moerl.ports import free_port
 from moerl.rewards.client import RewardClient, RewardClientConfig, ScoreItem
 from moerl.rollout.client import RolloutClient, RolloutClientConfig, RolloutUnavailable
 from moerl.rollout.types import SamplingParams

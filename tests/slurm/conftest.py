@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from moerl.ports import free_port
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 NODES = {"n1": 4, "n2": 4, "n3": 0, "n4": 4, "n5": 0}  # node -> fake GPUs
@@ -53,12 +54,6 @@ class SlurmCluster:
         """The field of each component of a het job (one value for a plain job)."""
         out = self.run("scontrol", "show", "job", str(job_id), check=False).stdout
         return [word.split("=", 1)[1] for word in out.split() if word.startswith(f"{name}=")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ensure_installed() -> None:
@@ -188,12 +183,12 @@ def slurm_cluster(_munge: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     """A running three-node cluster; SLURM_CONF is exported while it lives."""
     root = tmp_path_factory.mktemp("slurm")
     dev = _fake_gpus(root)
-    lines = _common_conf(root, "moerltest", _munge, _free_port())
+    lines = _common_conf(root, "moerltest", _munge, free_port())
     gres = []
     for node, gpus in NODES.items():
         gres_opt = f" Gres=gpu:{gpus}" if gpus else ""
         lines.append(
-            f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={_free_port()} "
+            f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={free_port()} "
             f"CPUs=16 RealMemory=64000{gres_opt} State=UNKNOWN"
         )
         if gpus:
@@ -243,7 +238,7 @@ def slurm_cloud(_munge: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     root = tmp_path_factory.mktemp("slurm-cloud")
     dev = _fake_gpus(root)
     lines = [
-        *_common_conf(root, "moerlcloud", _munge, _free_port()),
+        *_common_conf(root, "moerlcloud", _munge, free_port()),
         "SuspendProgram=/bin/true", "ResumeProgram=/bin/true", "SuspendTime=600",
         "ResumeTimeout=600",
         "NodeName=gpu[001-256] CPUs=224 RealMemory=2000000 Gres=gpu:8 State=CLOUD",

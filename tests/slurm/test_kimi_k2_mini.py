@@ -12,7 +12,6 @@ step, the job requeues itself, and the next attempt resumes and finishes 3 RL st
 from __future__ import annotations
 
 import re
-import socket
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from job_watch import RunWatch, metric_rows, trained_steps
 from moerl.checkpoint.store import complete_checkpoints, read_latest, step_name, step_of
 from moerl.config import ClusterConfig
 from moerl.launchers import recipes, slurm
+from moerl.ports import free_port
 from moerl.rendezvous import read_endpoints
 
 if TYPE_CHECKING:
@@ -44,21 +44,15 @@ RUN = [
 ]  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def local_site() -> recipes.Site:
     """This machine's cluster: partitions gpu/gpu/cpu as on the H100 site, loopback
     addresses (fake node names do not resolve), ports free right now (all fake nodes
     share this host's network), the checkout and Python this test runs from."""
     cluster = ClusterConfig(
         trainer_partition="gpu", rollout_partition="gpu", reward_partition="cpu",
-        time="01:00:00", signal_seconds=120, rollout_port=_free_port(),
-        reward_port=_free_port(), environment_port=_free_port(), master_port=_free_port(),
-        rollout_master_port=_free_port(), master_addr="127.0.0.1", advertise_host="127.0.0.1",
+        time="01:00:00", signal_seconds=120, rollout_port=free_port(),
+        reward_port=free_port(), environment_port=free_port(), master_port=free_port(),
+        rollout_master_port=free_port(), master_addr="127.0.0.1", advertise_host="127.0.0.1",
         grace_s=5,
     )  # fmt: skip
     return recipes.Site(recipes.REPO, sys.executable, "local", cluster, cpus_per_gpu=2,

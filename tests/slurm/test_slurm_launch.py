@@ -23,6 +23,7 @@ from moerl.launchers import slurm
 from moerl.launchers.plan import build_run_plan
 from moerl.launchers.slurm_run import slurm_job
 from moerl.launchers.stages import RunPlan, StageSpec
+from moerl.ports import free_port
 
 if TYPE_CHECKING:
     from conftest import SlurmCluster
@@ -80,14 +81,6 @@ while True:
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _script(path: Path, text: str) -> str:
     path.write_text(text)
     return str(path)
@@ -120,7 +113,7 @@ def test_het_job_server_and_client(slurm_cluster: SlurmCluster, tmp_path: Path) 
     result = tmp_path / "client.json"
     reward = StageSpec(
         "reward", (PY, _script(tmp_path / "server.py", SERVER), "{port}"),
-        replicas=2, cpus=1, port_base=_free_port(),
+        replicas=2, cpus=1, port_base=free_port(),
     )  # fmt: skip
     trainer = StageSpec(
         "trainer", (PY, _script(tmp_path / "client.py", CLIENT), str(result)), gpus_per_node=2
@@ -158,7 +151,7 @@ def test_usr1_checkpoints_and_requeues(
     """batch: what `--signal=B:USR1@T` does before the time limit (without waiting
     for it); steps: a plain `scancel --signal=USR1 JOB`, the batch shell unaware."""
     reward = StageSpec(
-        "reward", (PY, _script(tmp_path / "server.py", SERVER), "{port}"), port_base=_free_port()
+        "reward", (PY, _script(tmp_path / "server.py", SERVER), "{port}"), port_base=free_port()
     )
     argv = (PY, _script(tmp_path / "ckpt.py", CHECKPOINTER), str(tmp_path))
     trainer = StageSpec("trainer", (*argv, "marker" if to == "steps" else "exit"))

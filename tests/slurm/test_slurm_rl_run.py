@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
+from moerl.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from job_watch import RunWatch, tail, trained_steps
@@ -40,20 +41,14 @@ SHORT_RUN = [
 ]  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _cluster_overrides() -> list[str]:
     # Fixed ports on SLURM (no free-port search there); pick ones free right now,
     # since all fake nodes share this host's network namespace.
     return [
         "launcher=slurm", "cluster=local", "cluster.trainer_partition=gpu",
         "cluster.rollout_partition=gpu", "cluster.reward_partition=cpu",
-        f"cluster.rollout_port={_free_port()}", f"cluster.reward_port={_free_port()}",
-        f"cluster.master_port={_free_port()}", "cluster.grace_s=5",
+        f"cluster.rollout_port={free_port()}", f"cluster.reward_port={free_port()}",
+        f"cluster.master_port={free_port()}", "cluster.grace_s=5",
         "launcher.startup_timeout_s=300",
     ]  # fmt: skip
 

@@ -24,7 +24,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -53,6 +52,7 @@ from moerl.launchers.stage_render import (
 )
 from moerl.launchers.stages import RunPlan, StageSpec
 from moerl.parent_death import wrapped
+from moerl.ports import free_port
 from moerl.rendezvous import (
     REQUEUE_EXIT_CODE,
     REQUEUE_MARKER,
@@ -87,14 +87,6 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     except OSError as err:
         return f"<no log: {err}>"
     return "\n".join(text.splitlines()[-lines:])
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    # The port may be taken again before the server binds it; the health wait then
-    # fails with the server's own error in its log, which is the honest outcome.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

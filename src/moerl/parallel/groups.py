@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ from megatron.core import tensor_parallel
 from moerl.parallel.cpu_shims import apply_cpu_shims
 from moerl.parallel.layout import LayoutError, ParallelLayout
 from moerl.parent_death import die_with_parent
+from moerl.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -58,12 +58,6 @@ class ParallelGroups:
                 and self.cp_group.rank() == 0)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _init_process_group(backend: str) -> None:
     if dist.is_initialized():
         return
@@ -75,7 +69,7 @@ def _init_process_group(backend: str) -> None:
         dist.init_process_group(backend=backend)
         return
     # One process without torchrun: a private store, so tests can run in parallel.
-    store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True)
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
     dist.init_process_group(backend=backend, store=store, rank=0, world_size=1)
 
 

@@ -9,7 +9,6 @@ once a rank's group is dropped the servers' waits on it end, and they answer the
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -93,8 +92,3 @@ def check(replies: list[Reply], what: str) -> list[Any]:
         raise RuntimeError(f"{what}: {failures}")
     return [answer for _, answer in results]
 
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])

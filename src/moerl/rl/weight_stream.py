@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 
 from moerl.models.arch import MoEArch
+from moerl.ports import free_port
 from moerl.rendezvous import ENV_HOST
 from moerl.rl.weight_requests import (
     asking,
     check,
-    free_port,
     join_request,
     live_servers,
     post,

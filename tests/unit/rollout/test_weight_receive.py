@@ -17,7 +17,7 @@ import torch
 
 from moerl.parallel.shard_messages import schedule
 from moerl.parallel.shard_plan import Piece, by_name, routes_from, routes_to
-from moerl.rl.weight_requests import free_port
+from moerl.ports import free_port
 from moerl.rollout.weight_group import GroupSpec, Manifest, abort, join_with_plan
 from moerl.rollout.weight_receive import ReceiveLink, install, stage
 from moerl.rollout.weight_transport import Traffic, send_messages
