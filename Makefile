@@ -18,14 +18,15 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-# Two pytest workers (pytest-xdist), each test file on one worker (tests/conftest.py):
+# Two pytest workers (pytest-xdist), each test file on one worker (`--dist loadfile`: a
+# module's fixtures, such as a parity reference or a shared server, are built once):
 # many tests wait on servers and subprocesses. The SLURM tests run afterwards on their
 # own: a requeued job's second attempt re-binds ports and relaunches steps, which
 # other tests' servers and load must not race.
 TEST_WORKERS ?= 2
 
 test: lint typecheck
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 -m "not slurm" tests
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "not slurm" tests
 	$(VENV)/bin/pytest -q -m slurm tests/slurm
 
 # Full sizes; `make test` runs each benchmark with --smoke
