@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.long(minutes=9)
+
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_quick_recipe_learns(tmp_path: Path, seed: int) -> None:

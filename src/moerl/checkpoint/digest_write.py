@@ -7,6 +7,11 @@ it (one tensor or one object: the unit a reader reads). Beside each data file go
 digest of both, and of the `.metadata` file the coordinator writes at the end. The
 data and metadata files are Megatron's own: any torch_dist reader loads them.
 
+Each item is a `torch.save` archive, written without the zip format's CRC32 of each
+record (`torch.serialization.set_crc32_options`): the item's sha256 already covers
+those bytes, `torch.load` reads them either way, and the CRC was a quarter of the
+writer's CPU beside the two digests.
+
 The write runs where Megatron runs it: in the async writer process (forked from the
 rank, so it writes the state as it was when the save began) or, for a synchronous
 save, in the rank itself. Its digests come back with its write results.
@@ -47,13 +52,25 @@ DIGESTS_SUFFIX = ".digests.json"
 HOLD_ENV = "MOERL_CHECKPOINT_HOLD"
 
 
+@contextmanager
+def _without_crc32() -> Iterator[None]:
+    """`torch.save` without each record's CRC32 while the block runs. The switch is the
+    process's: a save elsewhere meanwhile also skips it, which `torch.load` accepts."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
 def _write_bucket(transforms: Any, bucket: Any) -> tuple[list[WriteResult], dict[str, Entry]]:
     """Write one data file of Megatron's plan; its results and the entries of the file
     and of its item digests."""
     path, storage_key, (bytes_data, tensor_data) = bucket
     results: list[WriteResult] = []
     items: list[list[Any]] = []  # [offset, length, sha256] of each item, in file order
-    with open(path, "wb") as raw:
+    with open(path, "wb") as raw, _without_crc32():
         stream = HashingWriter(raw)
         for write_item, data in [*bytes_data, *tensor_data]:
             stream.begin_item()
