@@ -18,16 +18,17 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-# Two pytest workers (pytest-xdist), each test file on one worker (`--dist loadfile`: a
-# module's fixtures, such as a parity reference or a shared server, are built once):
-# many tests wait on servers and subprocesses. The SLURM tests run afterwards on their
-# own: a requeued job's second attempt re-binds ports and relaunches steps, which
-# other tests' servers and load must not race.
-TEST_WORKERS ?= 2
+# Three pytest workers (pytest-xdist) on a 2-core machine, each test file on one worker
+# (`--dist loadfile`: a module's fixtures, such as a parity reference or a shared server,
+# are built once), the longest files first (tests/conftest.py): many tests wait on
+# servers and subprocesses, and with two workers the cores were busy 1.5 of 2 on
+# average. The SLURM tests run afterwards on their own: a requeued job's second attempt
+# re-binds ports and relaunches steps, which other tests' servers and load must not race.
+TEST_WORKERS ?= 3
 
 test: lint typecheck
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "not slurm" tests
-	$(VENV)/bin/pytest -q -m slurm tests/slurm
+	$(VENV)/bin/pytest -q --durations=5 -m slurm tests/slurm
 
 # Full sizes; `make test` runs each benchmark with --smoke
 # (tests/integration/test_benchmarks_smoke.py). benchmarks/_*.py are their helpers.
