@@ -18,16 +18,18 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-# Three pytest workers (pytest-xdist) on a 2-core machine, each test file on one worker
-# (`--dist loadfile`: a module's fixtures, such as a parity reference or a shared server,
-# are built once), the longest files first (tests/conftest.py): many tests wait on
-# servers and subprocesses, and with two workers the cores were busy 1.5 of 2 on
-# average. The SLURM tests run afterwards on their own: a requeued job's second attempt
-# re-binds ports and relaunches steps, which other tests' servers and load must not race.
+# Three pytest workers (pytest-xdist) on a 2-core machine: many tests wait on servers
+# and subprocesses, and with two workers the cores were busy 1.5 of 2 on average. Each
+# test file runs on one worker (`--dist loadfile`: a module's fixtures, such as a parity
+# reference or a shared server, are built once), the longest files first
+# (tests/conftest.py's order, which `--no-loadscope-reorder` keeps: xdist would
+# otherwise start the files with the most tests). The SLURM tests run afterwards on
+# their own: a requeued job's second attempt re-binds ports and relaunches steps,
+# which other tests' servers and load must not race.
 TEST_WORKERS ?= 3
 
 test: lint typecheck
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "not slurm" tests
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m "not slurm" tests
 	$(VENV)/bin/pytest -q --durations=5 -m slurm tests/slurm
 
 # Full sizes; `make test` runs each benchmark with --smoke

@@ -1,13 +1,13 @@
 """The suite leaves no process behind (tests/leftover_processes.py), and its longest
 files start first.
 
-`make test` spreads the tests over two pytest workers, each test file on one worker
-(pytest-xdist's `--dist loadfile`, Makefile), handing out files in collection order.
-Files marked `long(minutes=M)` (servers, ranks and training; M about what the file
-takes on 2 cores) are collected first, longest first, so that they run while the many
-short files fill the gaps and the end; a long file left for last would run alone
-while the other worker idles. `make test` runs the
-SLURM tests afterwards in a pytest of their own, without workers (one local cluster).
+`make test` spreads the tests over pytest workers, each test file on one worker, handed
+out in collection order (pytest-xdist's `--dist loadfile --no-loadscope-reorder`,
+Makefile). Files marked `long(minutes=M)` (servers, ranks and training; M about what
+the file takes on 2 cores) are collected first, longest first, so that they run while
+the many short files fill the gaps and the end: a long file left for last would run
+alone while the other workers idle. `make test` runs the SLURM tests afterwards in a
+pytest of their own, without workers (one local cluster).
 """
 
 from __future__ import annotations
