@@ -18,15 +18,15 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-# Three pytest workers (pytest-xdist) on a 2-core machine: many tests wait on servers
-# and subprocesses, and with two workers the cores were busy 1.5 of 2 on average. Each
-# test file runs on one worker (`--dist loadfile`: a module's fixtures, such as a parity
+# Two pytest workers (pytest-xdist): many tests wait on servers and subprocesses, so two
+# files at a time keep both cores busy (three made every test slower, the suite 6 min
+# longer on 2 cores). Each test file runs on one worker (`--dist loadfile`: a module's fixtures, such as a parity
 # reference or a shared server, are built once), the longest files first
 # (tests/conftest.py's order, which `--no-loadscope-reorder` keeps: xdist would
 # otherwise start the files with the most tests). The SLURM tests run afterwards on
 # their own: a requeued job's second attempt re-binds ports and relaunches steps,
 # which other tests' servers and load must not race.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 
 test: lint typecheck
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m "not slurm" tests
