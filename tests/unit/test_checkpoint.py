@@ -22,7 +22,7 @@ from moerl.checkpoint.config import (
     check_json,
     fingerprint,
 )
-from moerl.checkpoint.digests import HashingWriter, entry_of, write_file
+from moerl.checkpoint.digests import HashingWriter, entry_of, item_digest, write_file
 from moerl.checkpoint.manifest import MANIFEST, read_verified, verify_manifest, write_manifest
 from moerl.checkpoint.rng import capture_rng, restore_rng
 from moerl.checkpoint.sharded import check_optimizer_compatible
@@ -101,7 +101,22 @@ def test_hashing_writer_digests_what_reaches_the_file(tmp_path: Path) -> None:
         stream.write(b"tail")
     data = path.read_bytes()
     assert stream.entry() == entry_of(data)
-    assert item == hashlib.sha256(data[4:204]).hexdigest()
+    assert item == item_digest(data[4:204])
+    assert item != item_digest(data[4:203] + bytes([data[203] ^ 1]))
+    assert item_digest(data, "sha256") == hashlib.sha256(data).hexdigest()
+
+
+def test_item_hashing_writer_refuses_bytes_outside_an_item(tmp_path: Path) -> None:
+    """A data file's digests are its items': a byte no item covers would go unchecked."""
+    with (tmp_path / "f").open("wb") as raw:
+        stream = HashingWriter(raw, whole=False)
+        stream.begin_item()
+        stream.write(b"item")
+        assert stream.end_item() == item_digest(b"item")
+        with pytest.raises(ValueError, match="every byte must belong to an item"):
+            stream.write(b"stray")
+        with pytest.raises(ValueError, match="no whole-file digest"):
+            stream.entry()
 
 
 def test_publish_moves_latest_only_after_the_rename(tmp_path: Path) -> None:

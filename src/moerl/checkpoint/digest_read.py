@@ -15,7 +15,6 @@ returns ours, and the original is put back after.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import pickle
@@ -35,7 +34,7 @@ from torch.futures import Future
 
 from moerl.checkpoint.config import CheckpointError
 from moerl.checkpoint.digest_write import DIGESTS_SUFFIX
-from moerl.checkpoint.digests import Entry
+from moerl.checkpoint.digests import LEGACY_ITEM_ALGORITHM, Entry, item_digest
 from moerl.checkpoint.manifest import read_verified
 
 METADATA = ".metadata"
@@ -48,6 +47,7 @@ class _Verified:
         self.root, self.files = root, files
         self._metadata: bytes | None = None
         self._items: dict[str, dict[int, tuple[int, str]]] = {}
+        self._algorithms: dict[str, str] = {}
 
     def metadata(self) -> bytes:
         if self._metadata is None:
@@ -55,11 +55,16 @@ class _Verified:
         return self._metadata
 
     def items(self, name: str) -> dict[int, tuple[int, str]]:
-        """offset -> (length, sha256) of every item of data file `name`."""
+        """offset -> (length, digest) of every item of data file `name`."""
         if name not in self._items:
             sidecar = json.loads(read_verified(self.root, name + DIGESTS_SUFFIX, self.files))
             self._items[name] = {int(o): (int(n), str(h)) for o, n, h in sidecar["items"]}
+            self._algorithms[name] = str(sidecar.get("algorithm", LEGACY_ITEM_ALGORITHM))
         return self._items[name]
+
+    def algorithm(self, name: str) -> str:
+        """The digest algorithm of data file `name`'s items (after `items(name)`)."""
+        return self._algorithms[name]
 
 
 class VerifyingReader(FileSystemReader):
@@ -82,7 +87,7 @@ class VerifyingReader(FileSystemReader):
         stream.seek(offset)
         data: bytes = stream.read(length)
         if recorded is None or recorded[0] != length or len(data) != length or (
-                hashlib.sha256(data).hexdigest() != recorded[1]):
+                item_digest(data, self._verified.algorithm(name)) != recorded[1]):
             raise CheckpointError(
                 f"checkpoint {self._verified.root}: dist/{name}: the {length} bytes at offset "
                 f"{offset} differ from the digest recorded when they were written (modified "

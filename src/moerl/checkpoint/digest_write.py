@@ -1,16 +1,17 @@
 """A checkpoint's tensors written with their digests, in Megatron's torch_dist format.
 
 `DigestingSaveStrategy` is Megatron's torch_dist save strategy whose writer hashes
-each data file as it writes it (`HashingWriter`): the whole file, and every item in
-it (one tensor or one object: the unit a reader reads). Beside each data file goes
-`<file>.digests.json`, the items' digests by offset; the manifest gets the size and
-digest of both, and of the `.metadata` file the coordinator writes at the end. The
-data and metadata files are Megatron's own: any torch_dist reader loads them.
+each data file as it writes it (`HashingWriter`), item by item (one tensor or one
+object: the unit a reader reads; the items cover the file). Beside each data file
+goes `<file>.digests.json`, the items' digests by offset; the manifest gets the data
+file's size with the name of its digest list, and the size and sha256 of the list
+and of the `.metadata` file the coordinator writes at the end. The data and metadata
+files are Megatron's own: any torch_dist reader loads them.
 
 Each item is a `torch.save` archive, written without the zip format's CRC32 of each
-record (`torch.serialization.set_crc32_options`): the item's sha256 already covers
-those bytes, `torch.load` reads them either way, and the CRC was a quarter of the
-writer's CPU beside the two digests.
+record (`torch.serialization.set_crc32_options`): the item's digest already covers
+those bytes, and `torch.load` reads them either way. The writer's CPU is then the
+copy into the page cache and one XXH3 pass (see `digests`).
 
 The write runs where Megatron runs it: in the async writer process (forked from the
 rank, so it writes the state as it was when the save began) or, for a synchronous
@@ -44,7 +45,13 @@ from torch.distributed.checkpoint.filesystem import FileSystem, SerializationFor
 from torch.distributed.checkpoint.storage import WriteResult
 
 from moerl.checkpoint.async_writer import stage, staged_bytes
-from moerl.checkpoint.digests import Entry, HashingWriter, entry_of, write_file
+from moerl.checkpoint.digests import (
+    ITEM_ALGORITHM,
+    Entry,
+    HashingWriter,
+    entry_of,
+    write_file,
+)
 
 DIGESTS_SUFFIX = ".digests.json"
 # A writer that waits for this file before it writes: the tests' way to hold a save
@@ -69,9 +76,9 @@ def _write_bucket(transforms: Any, bucket: Any) -> tuple[list[WriteResult], dict
     and of its item digests."""
     path, storage_key, (bytes_data, tensor_data) = bucket
     results: list[WriteResult] = []
-    items: list[list[Any]] = []  # [offset, length, sha256] of each item, in file order
+    items: list[list[Any]] = []  # [offset, length, digest] of each item, in file order
     with open(path, "wb") as raw, _without_crc32():
-        stream = HashingWriter(raw)
+        stream = HashingWriter(raw, whole=False)
         for write_item, data in [*bytes_data, *tensor_data]:
             stream.begin_item()
             result = _write_item(transforms, cast(io.IOBase, stream), data, write_item,
@@ -82,8 +89,8 @@ def _write_bucket(transforms: Any, bucket: Any) -> tuple[list[WriteResult], dict
         raw.flush()
         os.fsync(raw.fileno())
     name = Path(path).name
-    sidecar = json.dumps({"file": name, "items": items}).encode()
-    return results, {name: stream.entry(),
+    sidecar = json.dumps({"file": name, "algorithm": ITEM_ALGORITHM, "items": items}).encode()
+    return results, {name: {"size": stream.size, "digests": name + DIGESTS_SUFFIX},
                      name + DIGESTS_SUFFIX: write_file(Path(path + DIGESTS_SUFFIX), sidecar)}
 
 

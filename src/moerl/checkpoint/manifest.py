@@ -1,4 +1,5 @@
-"""The manifest: size and sha256 of every file of a checkpoint, written last.
+"""The manifest: size and digest of every file of a checkpoint, written last (a
+tensor shard's digests are its items', in the digest list it names).
 
 The digests are those taken while the files were written (`checkpoint.digests`):
 a save reads none of its files back. A load trusts a checkpoint only as far as it
@@ -129,6 +130,9 @@ def read_verified(root: Path, name: str, files: dict[str, Entry]) -> bytes:
     """The bytes of `root/name`, once they match the manifest (this rank only)."""
     if name not in files:
         raise _refuse(root, [f"{name}: not in the manifest"])
+    if "sha256" not in files[name]:
+        raise ValueError(f"{name} is checked item by item as it is read "
+                         f"(its digests: {files[name].get('digests')}), not whole")
     try:
         data = (root / name).read_bytes()
     except OSError as err:
