@@ -23,14 +23,23 @@ typecheck: setup
 # longer on 2 cores). Each test file runs on one worker (`--dist loadfile`: a module's fixtures, such as a parity
 # reference or a shared server, are built once), the longest files first
 # (tests/conftest.py's order, which `--no-loadscope-reorder` keeps: xdist would
-# otherwise start the files with the most tests). The SLURM tests run afterwards on
-# their own: a requeued job's second attempt re-binds ports and relaunches steps,
-# which other tests' servers and load must not race.
+# otherwise start the files with the most tests). The SLURM tests run beside the
+# suite (their own local cluster, ports drawn by
+# moerl.ports like every server's), and their output is printed after it: they spend
+# most of their 11 minutes waiting on SLURM (a requeued job's hold, its steps'
+# start-up), which the suite's work fills; one after the other, the cores sat idle
+# 40% of make test.
 TEST_WORKERS ?= 2
 
 test: lint typecheck
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m "not slurm" tests
-	$(VENV)/bin/pytest -q --durations=5 -m slurm tests/slurm
+	@slurm_log=$$(mktemp); \
+	$(VENV)/bin/pytest -q --durations=5 -m slurm tests/slurm > $$slurm_log 2>&1 & slurm=$$!; \
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--durations=15 -m "not slurm" tests; suite=$$?; \
+	wait $$slurm; slurm_status=$$?; \
+	echo "--- the SLURM tests (tests/slurm, run beside the suite)"; cat $$slurm_log; \
+	rm -f $$slurm_log; \
+	test $$suite -eq 0 && test $$slurm_status -eq 0
 
 # Full sizes; `make test` runs each benchmark with --smoke
 # (tests/integration/test_benchmarks_smoke.py). benchmarks/_*.py are their helpers.

@@ -73,3 +73,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         port = _kernel_choice(host)
         _given.add(port)
         return port
+
+
+def listen_port(host: str, port: int) -> int:
+    """The port a server given `--port port` binds: `port` itself, or for 0 one drawn by
+    `free_port` rather than by the kernel. A port the kernel picks comes from its
+    ephemeral range: once the server dies, the next outgoing connection or `port 0`
+    listener on the host (an srun's I/O socket, another server) may take it, and a
+    client that still holds the address reaches that instead of a refusal."""
+    return free_port(host) if port == 0 else port

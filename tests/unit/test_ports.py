@@ -48,3 +48,10 @@ def test_the_range_is_read_from_the_kernel_file(tmp_path: Path) -> None:
     path.write_text("20000\t40000\n")
     assert ports.ephemeral_range(path) == (20000, 40000)
     assert ports.ephemeral_range(tmp_path / "missing") == ports.LINUX_DEFAULT_EPHEMERAL
+
+
+def test_a_server_given_port_0_listens_outside_the_kernels_ephemeral_range() -> None:
+    low, high = ports.ephemeral_range()
+    chosen = {ports.listen_port("127.0.0.1", 0) for _ in range(20)}
+    assert len(chosen) == 20 and not any(low <= port <= high for port in chosen)
+    assert ports.listen_port("127.0.0.1", 8123) == 8123

@@ -54,6 +54,7 @@ from moerl.agent.environment import (
     Observation,
     load_environment,
 )
+from moerl.ports import listen_port
 from moerl.rendezvous import ENV_INDEX, ENV_RENDEZVOUS, announce
 from moerl.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
 from moerl.sandbox.preflight import open_checked
@@ -264,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sessions = Sessions(sandbox, args.max_sessions, args.idle_timeout)
     app = create_app(sessions)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+    bind_port = listen_port(args.host, args.port)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=bind_port,
                                            log_level="warning", timeout_graceful_shutdown=5))
     published: list[Path] = []
 

@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from moerl.ports import listen_port
 from moerl.rendezvous import ENV_INDEX, ENV_RENDEZVOUS, announce
 from moerl.rewards import wire
 from moerl.rewards.items import (
@@ -270,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         shut_down()
 
     app.router.lifespan_context = lifespan
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+    config = uvicorn.Config(app, host=args.host,
+                            port=listen_port(args.host, args.port), log_level="warning",
                             timeout_graceful_shutdown=max(1, round(args.grace_s)))  # fmt: skip
     server = DrainingServer(config)
     announcer = threading.Thread(

@@ -35,6 +35,7 @@ from moerl.data.tiktoken_tokenizer import TiktokenTokenizer
 from moerl.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from moerl.models.arch import MoEArch
 from moerl.models.precision import FP8_RECIPES, ParamsDtype, PrecisionConfig, TransformerImpl
+from moerl.ports import listen_port
 from moerl.rendezvous import ENV_INDEX, ENV_RENDEZVOUS
 from moerl.rendezvous import announce as announce_endpoint
 from moerl.rollout.batching import BatchScheduler
@@ -307,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = make_scheduler(engine, args.batch_wait_ms / 1000)
     state = ServerState(engine, scheduler, args.model, args.update_wait)
     app = create_app(state)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+    bind_port = listen_port(args.host, args.port)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=bind_port,
                                            log_level="warning", timeout_graceful_shutdown=5))
     published: list[Path] = []
 
