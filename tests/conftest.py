@@ -6,8 +6,8 @@ out in collection order (pytest-xdist's `--dist loadfile --no-loadscope-reorder`
 Makefile). Files marked `long(minutes=M)` (servers, ranks and training; M about what
 the file takes on 2 cores) are collected first, longest first, so that they run while
 the many short files fill the gaps and the end: a long file left for last would run
-alone while the other workers idle. `make test` runs the SLURM tests afterwards in a
-pytest of their own, without workers (one local cluster).
+alone while the other workers idle. `make test` runs the SLURM tests beside the suite in
+a pytest of their own, without workers (one local cluster).
 """
 
 from __future__ import annotations
