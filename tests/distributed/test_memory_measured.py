@@ -31,8 +31,6 @@ from moerl.models.arch import TINY
 from moerl.parallel.layout import ParallelLayout
 from moerl.planning.memory import RunSettings, rank_memory
 
-pytestmark = pytest.mark.long(minutes=2)
-
 WORKER = Path(__file__).with_name("memory_worker.py")
 REHEARSE = Path(__file__).with_name("rehearse_worker.py")
 SEQ_LENGTH, MICRO_BATCH = 64, 2

@@ -28,8 +28,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from worker_launch import run_worker
 
-pytestmark = pytest.mark.long(minutes=2)
-
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 # Resident memory a rank may gain beyond its staged copy (allocator and interpreter
 # noise; measured under 2 MiB here).

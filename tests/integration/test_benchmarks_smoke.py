@@ -25,8 +25,6 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.long(minutes=8)
-
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
 # Far above a smoke run (well under a minute each); a loaded machine may be slow.

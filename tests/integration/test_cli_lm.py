@@ -9,8 +9,6 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.long(minutes=4)
-
 
 def _moerl(*args: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "moerl.launchers.cli", *args]

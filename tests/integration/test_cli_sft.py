@@ -14,8 +14,6 @@ import pytest
 from moerl.data.code_tasks import make_tasks
 from moerl.launchers.cli import main
 
-pytestmark = pytest.mark.long(minutes=3)
-
 
 def _moerl(*args: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "moerl.launchers.cli", *args]

@@ -30,7 +30,7 @@ RUN = [
     *(f"data.domains.{d}.sampling.max_tokens=16" for d in DOMAINS if d != "terminal"),
 ]  # fmt: skip
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.long(minutes=2)]
+pytestmark = pytest.mark.timeout(900)
 
 
 def _train(run: Path, steps: int) -> str:

@@ -33,7 +33,7 @@ from tokenizer_dirs import make_tokenizer_dir
 
 from moerl.rendezvous import read_endpoints, server_urls
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.long(minutes=2)]
+pytestmark = pytest.mark.timeout(600)
 VOCAB = 384  # the checkpoint's; the trained tokenizer holds fewer
 MAX_TOKENS = 6
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

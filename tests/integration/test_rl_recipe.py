@@ -1,7 +1,9 @@
-"""The shipped quick recipe learns on more than one seed: `moerl train +experiment=quick`
-(the demo's task and settings, 16 RL steps: SFT, then GRPO with real reward and rollout
-servers and the sandbox) raises the held-out greedy pass rate by at least 0.15 and the
-sampled reward's last quarter above its first quarter."""
+"""The shipped quick recipe learns on a seed other than the demo's: `moerl train
++experiment=quick` (the demo's task and settings, 16 RL steps: SFT, then GRPO with real
+reward and rollout servers and the sandbox) with `rl.seed=1 data.seed=1` raises the
+held-out greedy pass rate by at least 0.15 and the sampled reward's last quarter above
+its first quarter. The demo's seed 0 and seed 2 are measured by the commands under the
+README's Results (one run of this recipe is the suite's longest test)."""
 
 from __future__ import annotations
 
@@ -16,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.long(minutes=9)
+SEED = 1
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_quick_recipe_learns(tmp_path: Path, seed: int) -> None:
+def test_quick_recipe_learns(tmp_path: Path) -> None:
+    seed = SEED
     if shutil.which("bwrap") is None:
         pytest.skip("bubblewrap is not installed")
     run = tmp_path / "run"

@@ -46,7 +46,7 @@ RUN = [
     "checkpoint.save_interval=2", "checkpoint.keep_last=0",
 ]  # fmt: skip
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.long(minutes=4)]
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
