@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -52,6 +53,8 @@ class Variant:
     init_std: float | None = None  # None: --init-std, or the model's own
     optim: dict[str, float] = field(default_factory=dict)  # OptimConfig fields
     megatron: dict[str, object] = field(default_factory=dict)  # TransformerConfig fields
+    logit_scale: float = 1.0  # attention softmax scale multiplied by this after building
+    head_qk_norms: bool = False  # MLA with per-head q/k RMSNorms (`_attention_variants`)
 
 
 VARIANTS: dict[str, Variant] = {
@@ -64,6 +67,10 @@ VARIANTS: dict[str, Variant] = {
                           "mtp_num_layers": 0, "router_score": "softmax",
                           "router_expert_bias": False, "router_num_groups": None,
                           "router_group_topk": None}, megatron={"qk_layernorm": True}),
+    # MLA with per-head q/k norms; the preset's attention logits 4x and 16x larger.
+    "head_qk_norm": Variant({}, head_qk_norms=True),
+    "logits_x4": Variant({}, logit_scale=4.0),
+    "logits_x16": Variant({}, logit_scale=16.0),
     "no_mtp": Variant({"mtp_num_layers": 0}),
     "no_aux": Variant({"aux_loss_coeff": 0.0}),
     "no_bias": Variant({"router_expert_bias": False}),
@@ -144,6 +151,7 @@ def run_moerl(name: str, variant: Variant, args: argparse.Namespace,
               setup: Setup) -> list[tuple[float, float]]:
     """(pass rate, digit loss) after each checkpoint step of one SFT run of moerl's."""
     import torch
+    from _attention_variants import head_qk_norms, scale_attention_logits
 
     from moerl.data.sft import encode_example, sft_batch
     from moerl.data.tokenizer import ByteTokenizer
@@ -168,7 +176,10 @@ def run_moerl(name: str, variant: Variant, args: argparse.Namespace,
     if init_std is not None:
         overrides["init_method_std"] = init_std
     try:
-        chunks = build_model(arch, layout, **overrides)
+        with head_qk_norms() if variant.head_qk_norms else nullcontext():
+            chunks = build_model(arch, layout, **overrides)
+        if variant.logit_scale != 1.0:
+            scale_attention_logits(chunks, variant.logit_scale)
         trainable = build_optimizer(chunks, optim, layout)
         model = chunks[0]
         held = [encode_example(tok, t.prompt, t.reference) for t in setup.held]
