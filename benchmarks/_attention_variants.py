@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 import moerl.models.build as build
 from moerl.models.mla_local import TPExactMLASelfAttention
@@ -31,10 +32,6 @@ def scale_attention_logits(chunks: list[Any], factor: float) -> None:
             module.core_attention.softmax_scale *= factor
 
 
-def _rms(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype) * gain
-
-
 class HeadNormMLA(TPExactMLASelfAttention):
     """MLA whose queries and keys [s, b, heads, q_head_dim] are RMS-normalised per head."""
 
@@ -45,8 +42,9 @@ class HeadNormMLA(TPExactMLASelfAttention):
 
     def get_query_key_value_tensors(self, *args: Any, **kwargs: Any) -> Any:
         query, key, *rest = super().get_query_key_value_tensors(*args, **kwargs)
-        eps = self.config.layernorm_epsilon
-        return (_rms(query, self.q_head_gain, eps), _rms(key, self.k_head_gain, eps), *rest)
+        eps, width = self.config.layernorm_epsilon, (self.q_head_dim,)
+        return (F.rms_norm(query, width, self.q_head_gain, eps),
+                F.rms_norm(key, width, self.k_head_gain, eps), *rest)
 
 
 @contextmanager

@@ -37,7 +37,7 @@ original = TPExactMLASelfAttention.get_query_key_value_tensors
 with torch.no_grad():
     attention.k_head_gain.fill_(2.0)
     query, key, *_ = attention.get_query_key_value_tensors(hidden, None)
-    raw_q, raw_k, *_ = original(attention, hidden, None)
+    raw_q, *_ = original(attention, hidden, None)
 rms = lambda t: t.pow(2).mean(-1).sqrt()
 assert torch.allclose(rms(query), torch.ones_like(rms(query)), atol=1e-3), rms(query)
 assert torch.allclose(rms(key), torch.full_like(rms(key), 2.0), atol=2e-3), rms(key)
