@@ -4,13 +4,14 @@
         --arch-file A.json --tp 2 --ep 2 [--pp 2] --urls U1,U2 --root DIR --out OUT.json
 
 First the ranks measure this machine under the stream's own transport (packed into a
-staging buffer, sent over gloo, unpacked into a fresh tensor as a version's): one
-link's bytes/s (messages of a staging buffer's size from rank 0 to rank 1), the time
-one message adds (many small ones), and what every pair of ranks moves at once (all
-sending together: the machine's shared cores). Version 1 goes by disk, version 2
-forms the weight group, and versions 3.. are timed on rank 0 from the call until every
-server answered. The plan's loads (each trainer rank's messages, computed when the
-group formed, before a byte moved) and the servers' shard sizes go to `--out`.
+staging buffer, sent over gloo, unpacked into a version's tensors): one link's
+bytes/s (messages of a staging buffer's size from rank 0 to rank 1), the time one
+message adds (many small ones), and what every pair of ranks moves at once (all
+sending together: the machine's shared cores), each the median of three rounds.
+Version 1 goes by disk, version 2 forms the weight group, and versions 3.. are timed
+on rank 0 from the call until every server answered. The plan's loads (each trainer
+rank's messages, computed when the group formed, before a byte moved) and the
+servers' shard sizes go to `--out`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -65,39 +67,48 @@ def _timed(rank: int, ranks: tuple[int, ...], work: Any) -> float:
 def _through_transport(message_bytes: int, messages: int) -> Any:
     """Work for each rank of the pairs (0, 1), (2, 3), ...: `messages` messages from the
     even rank to the odd one through the stream's transport (packed into staging,
-    sent, unpacked into a version's fresh tensor), as a version moves its bytes."""
+    sent, unpacked into a version's tensor), as a version moves its bytes."""
     rank = dist.get_rank()
     src, dst = rank - rank % 2, rank - rank % 2 + 1
-    piece = Piece.whole("x", "uint8", (messages * message_bytes,))
-    plan = schedule({(src, dst): overlap(piece, piece)}, message_bytes)
-    source = torch.ones(piece.shape, dtype=torch.uint8)
-    # The receiver's tensor is touched before the clock starts: a server's new version
+    # Two tensors of one message each, sent in turn: the job and its servers leave
+    # little of this machine's memory free (about 1 GB of 24 at 8 ranks), and tensors of
+    # a version's size would time the kernel reclaiming pages, not the transport.
+    pieces = [Piece.whole(f"x{i}", "uint8", (message_bytes,)) for i in range(min(messages, 2))]
+    transfers = [t for k in range(messages) for t in overlap(pieces[k % 2], pieces[k % 2])]
+    plan = schedule({(src, dst): transfers}, message_bytes)
+    source = {p.name: torch.ones(p.shape, dtype=torch.uint8) for p in pieces}
+    # The receiver's tensors are touched before the clock starts: a server's new version
     # is many tensors of at most a few MB, which the allocator serves from memory the
-    # process already holds; one fresh tensor of this size would be mapped page by page
-    # during the transfer, and the kernel's page faults, not the transport, timed.
-    landing = {"x": torch.zeros(piece.shape, dtype=torch.uint8)}
+    # process already holds, not pages the kernel maps during the transfer.
+    landing = {p.name: torch.zeros(p.shape, dtype=torch.uint8) for p in pieces}
     cpu, group = torch.device("cpu"), dist.group.WORLD
 
     def work() -> None:
         deadline = time.monotonic() + 600
         if rank == src:
-            send_messages(group, rank, plan, {"x": source}, cpu, deadline, Traffic())
+            send_messages(group, rank, plan, source, cpu, deadline, Traffic())
         else:
             receive_messages(group, rank, plan, landing.__getitem__, cpu, deadline, Traffic())
 
     return work
 
 
-def calibrate(buffer_bytes: int, repeats: int = 8) -> dict[str, float]:
+def calibrate(buffer_bytes: int, repeats: int = 8, rounds: int = 3) -> dict[str, float]:
     """This machine under the stream's transport: one link's bytes/s, the time a
-    message adds, what every rank pair moves at once (bytes/s)."""
+    message adds, what every rank pair moves at once (bytes/s); each the median of
+    `rounds` measurements, as a dozen processes on two cores make any one of them noisy."""
     rank, world = dist.get_rank(), dist.get_world_size()
     pairs = world - world % 2
-    one = _timed(rank, (0, 1), _through_transport(buffer_bytes, repeats))
-    small = _timed(rank, (0, 1), _through_transport(64, 256)) / 256
-    together = _timed(rank, tuple(range(pairs)), _through_transport(buffer_bytes, repeats))
-    return {"bandwidth": repeats * buffer_bytes / one, "latency": small,
-            "shared": pairs // 2 * repeats * buffer_bytes / together}
+    nbytes = repeats * buffer_bytes
+    measured: dict[str, list[float]] = defaultdict(list)
+    for _ in range(rounds):
+        one = _timed(rank, (0, 1), _through_transport(buffer_bytes, repeats))
+        small = _timed(rank, (0, 1), _through_transport(64, 256)) / 256
+        together = _timed(rank, tuple(range(pairs)), _through_transport(buffer_bytes, repeats))
+        measured["bandwidth"].append(nbytes / one)
+        measured["latency"].append(small)
+        measured["shared"].append(pairs // 2 * nbytes / together)
+    return {name: statistics.median(values) for name, values in measured.items()}
 
 
 def plan_loads(sync: MemoryWeightSync, buffer_bytes: int) -> dict[str, Any]:

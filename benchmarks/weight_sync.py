@@ -15,8 +15,8 @@ path's first push forms the group and is shown apart.
 the model: trainer jobs of 4 ranks (TP2-EP2) and 8 (TP2-PP2-EP2), each a torchrun of
 `_weight_sync_job.py`, stream a 0.2B model into two servers of 2 ranks (EP2, TP2).
 Each job first measures this machine under the stream's own transport (pack, gloo,
-unpack into fresh memory): one link's rate, the time a message adds, and what all rank
-pairs move at once (two shared cores); the model (`planning.weight_sync.version_time`)
+unpack): one link's rate, the time a message adds, and what all rank pairs move at once
+(two shared cores), each the median of three rounds; the model (`planning.weight_sync.version_time`)
 then predicts a version's seconds from the plan (each rank's bytes and messages, known
 before a byte moves), set against the measured median.
 
