@@ -74,8 +74,9 @@ def _through_transport(message_bytes: int, messages: int) -> Any:
     # little of this machine's memory free (about 1 GB of 24 at 8 ranks), and tensors of
     # a version's size would time the kernel reclaiming pages, not the transport.
     pieces = [Piece.whole(f"x{i}", "uint8", (message_bytes,)) for i in range(min(messages, 2))]
-    transfers = [t for k in range(messages) for t in overlap(pieces[k % 2], pieces[k % 2])]
-    plan = schedule({(src, dst): transfers}, message_bytes)
+    sends = [overlap(p, p) for p in pieces]
+    plan = schedule({(src, dst): [t for k in range(messages) for t in sends[k % len(sends)]]},
+                    message_bytes)
     source = {p.name: torch.ones(p.shape, dtype=torch.uint8) for p in pieces}
     # The receiver's tensors are touched before the clock starts: a server's new version
     # is many tensors of at most a few MB, which the allocator serves from memory the
@@ -101,10 +102,11 @@ def calibrate(buffer_bytes: int, repeats: int = 8, rounds: int = 3) -> dict[str,
     pairs = world - world % 2
     nbytes = repeats * buffer_bytes
     measured: dict[str, list[float]] = defaultdict(list)
+    large, many_small = _through_transport(buffer_bytes, repeats), _through_transport(64, 256)
     for _ in range(rounds):
-        one = _timed(rank, (0, 1), _through_transport(buffer_bytes, repeats))
-        small = _timed(rank, (0, 1), _through_transport(64, 256)) / 256
-        together = _timed(rank, tuple(range(pairs)), _through_transport(buffer_bytes, repeats))
+        one = _timed(rank, (0, 1), large)
+        small = _timed(rank, (0, 1), many_small) / 256
+        together = _timed(rank, tuple(range(pairs)), large)
         measured["bandwidth"].append(nbytes / one)
         measured["latency"].append(small)
         measured["shared"].append(pairs // 2 * nbytes / together)
